@@ -1,0 +1,36 @@
+# Two entry points that work on a fresh CPU machine with nothing but Python:
+#   make demo   install, then a real supervised training run on the embedded corpus
+#   make test   install, then the test suite
+# On a GPU box the image brings its own CUDA torch: `make install TORCH=` skips the CPU wheel.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.m3run-installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@if [ -n "$(TORCH)" ]; then $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"; fi
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+demo: install
+	$(PY) -m runner.demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) bench/bench_scan.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
