@@ -12,9 +12,13 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    vocab_size: int = Field(50257, ge=2, description="Tokenizer vocabulary size (GPT-2 BPE: 50257).")
+    vocab_size: int = Field(
+        50257, ge=2, description="Tokenizer vocabulary size (GPT-2 BPE: 50257)."
+    )
     pad_vocab_multiple: int = Field(
-        64, ge=1, description="Embedding rows are padded up to a multiple of this for aligned matmuls."
+        64,
+        ge=1,
+        description="Embedding rows are padded up to a multiple of this for aligned matmuls.",
     )
     d_model: int = Field(1024, ge=8, description="Residual stream width.")
     n_layers: int = Field(24, ge=1, description="Number of (mixer + MLP) blocks.")
@@ -24,15 +28,22 @@ class ModelConfig(BaseModel):
     d_state: int = Field(64, ge=2, description="SSM state size N (per head, one B/C group).")
     ngroups: int = Field(1, ge=1, description="B/C groups g: 1 (shared by all heads) or nheads.")
     rope_fraction: float = Field(
-        0.5, ge=0.0, le=1.0, description="Fraction of the N state dims rotated; S = N·fraction/2 angles."
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of the N state dims rotated; S = N·fraction/2 angles.",
     )
     chunk_size: int = Field(64, ge=1, description="Scan chunk length (a power of two).")
     dt_min: float = Field(1e-3, gt=0, description="Lower end of the log-uniform Δ₀ init.")
     dt_max: float = Field(1e-1, gt=0, description="Upper end of the log-uniform Δ₀ init.")
     dt_init_floor: float = Field(1e-4, gt=0, description="Floor applied to the sampled Δ₀.")
-    A_floor: float = Field(1e-4, gt=0, description="A = min(-softplus(dd_A), -A_floor): keeps decay.")
+    A_floor: float = Field(
+        1e-4, gt=0, description="A = min(-softplus(dd_A), -A_floor): keeps decay."
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon (blocks and B/C norms).")
-    init_std: float = Field(0.02, gt=0, description="Std of the normal init of embeddings and linears.")
+    init_std: float = Field(
+        0.02, gt=0, description="Std of the normal init of embeddings and linears."
+    )
     scan_backend: Literal["auto", "triton", "pytorch"] = Field(
         "auto", description="Mamba-3 scan implementation: auto (triton on CUDA), triton or pytorch."
     )

@@ -39,7 +39,7 @@ def siso_chunked(
     chunk_size: int,
 ) -> tuple[Tensor, State]:
     b, t, h, n = k.shape
-    p, s = v.shape[-1], angles.shape[-1]
+    p = v.shape[-1]
     L = chunk_size
 
     # Token-major layouts (b, t, h) for the per-token scalars.

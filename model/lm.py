@@ -1,0 +1,218 @@
+"""Mamba3LM: the Mamba-3-Lite language model.
+
+Pre-norm residual stack ``x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x))``, a final RMSNorm, and
+an LM head tied to the (padded) embedding.
+
+Initialisation (GPT-2 / Mamba conventions):
+- embedding and every linear weight ~ N(0, init_std);
+- the two projections that write into the residual stream (mixer ``out_proj`` and MLP ``down``)
+  are further scaled by 1/sqrt(2·n_layers), so the residual variance stays O(1) with depth
+  (GPT-2, Radford et al. 2019);
+- RMSNorm weights 1; mixer: dt_bias = softplus⁻¹(Δ₀) with Δ₀ log-uniform, D = 1, B/C biases 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels.mamba3 import State
+
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLU
+from .loss import IGNORE_INDEX, linear_cross_entropy
+from .mixer import Mamba3Mixer
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = Mamba3Mixer(cfg, layer_idx)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_intermediate)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_with_state(self, x: Tensor, state: State | None):
+        y, state = self.mixer(self.mixer_norm(x), initial_state=state, return_final_state=True)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+    def step(self, x: Tensor, state: State):
+        y, state = self.mixer.step(self.mixer_norm(x), state)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class Mamba3LM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+        self.activation_checkpointing = False
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.embedding.weight, std=std)
+        for block in self.layers:
+            nn.init.normal_(block.mixer.in_proj.weight, std=std)
+            nn.init.normal_(block.mixer.out_proj.weight, std=residual_std)
+            nn.init.normal_(block.mlp.gate_up.weight, std=std)
+            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+            block.mixer.reset_parameters()
+            block.mixer_norm.weight.fill_(1.0)
+            block.mlp_norm.weight.fill_(1.0)
+        self.norm_f.weight.fill_(1.0)
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The tied LM head: the embedding rows of real tokens (padding rows never get logits)."""
+        return self.embedding.weight[: self.config.vocab_size]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden_states(self, idx: Tensor) -> Tensor:
+        x = self.embedding(idx)
+        for block in self.layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.norm_f(x)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        """``idx`` (b, t) token ids. With ``targets`` (b, t) returns the mean cross-entropy over
+        targets ≠ -100 (never materialising fp32 logits for all tokens); else logits (b, t, V)."""
+        h = self.hidden_states(idx)
+        if targets is not None:
+            return linear_cross_entropy(h, self.head_weight, targets)
+        return F.linear(h, self.head_weight.to(h.dtype))
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, idx: Tensor) -> tuple[Tensor, list[State]]:
+        """Run the prompt through the chunked scan and return the last logits and the per-layer
+        recurrent states."""
+        x = self.embedding(idx)
+        states = []
+        for block in self.layers:
+            x, st = block.forward_with_state(x, None)
+            states.append(st)
+        h = self.norm_f(x[:, -1:])
+        return F.linear(h, self.head_weight.to(h.dtype))[:, 0], states
+
+    @torch.no_grad()
+    def decode_step(self, token: Tensor, states: list[State]) -> tuple[Tensor, list[State]]:
+        """One token per sequence (b,) → logits (b, V) and the new states. O(1) in the prefix."""
+        x = self.embedding(token[:, None])
+        new_states = []
+        for block, st in zip(self.layers, states, strict=True):
+            x, st = block.step(x, st)
+            new_states.append(st)
+        h = self.norm_f(x)
+        return F.linear(h, self.head_weight.to(h.dtype))[:, 0], new_states
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | None = None,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` continuations of ``idx`` (b, t) with the recurrent state.
+
+        temperature 0 is greedy; top_k keeps the k most likely tokens; top_p keeps the smallest
+        set whose probability mass reaches p. Stops early when every row has emitted ``eos_id``.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be ≥ 1 or None, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be (batch, t ≥ 1) token ids, got shape {tuple(idx.shape)}")
+        logits, states = self.prefill(idx)
+        out = [idx]
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for i in range(max_new_tokens):
+            nxt = sample(logits, temperature, top_k, top_p, generator)
+            out.append(nxt[:, None])
+            if eos_id is not None:
+                done |= nxt == eos_id
+                if bool(done.all()):
+                    break
+            if i + 1 < max_new_tokens:
+                logits, states = self.decode_step(nxt, states)
+        return torch.cat(out, dim=1)
+
+
+def sample(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Draw one token per row from ``logits`` (b, V)."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+# Parameters that are gains, offsets or per-head scalars: weight decay would pull them to 0.
+_NO_DECAY_NAMES = ("dt_bias", "D", "B_bias", "C_bias", "B_norm_weight", "C_norm_weight")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: matrices (linear weights, the tied embedding) decay; norm weights, biases,
+    dt_bias, D and the B/C biases do not."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dim() < 2 or leaf in _NO_DECAY_NAMES or "norm" in name or leaf == "bias":
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+__all__ = ["IGNORE_INDEX", "Mamba3LM", "param_groups", "sample"]

@@ -1,0 +1,133 @@
+"""The Mamba-3 SISO mixer (Lahoti et al., "Mamba-3", 2026), as DESIGN.md describes it.
+
+One fused input projection, per-token Δ, A and trapezoid λ, data-dependent rotation angles,
+RMS-normed B/C with per-head biases, the SISO scan, the silu(z) gate inside the scan, and the
+output projection. No short convolution: the trapezoid rule's two-token stencil replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
+
+from .config import ModelConfig
+
+
+def _f32(x: Tensor) -> Tensor:
+    """At least fp32: bf16 activations are upcast, float64 (exact tests) stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+class Mamba3Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        E, N, H, S = cfg.d_inner, cfg.d_state, cfg.nheads, cfg.n_angles
+        self.d_inner, self.d_state, self.nheads, self.headdim, self.n_angles = (
+            E,
+            N,
+            H,
+            cfg.headdim,
+            S,
+        )
+        self.ngroups = cfg.ngroups
+        G = cfg.ngroups
+        # order: [z (E), x (E), B (G·N), C (G·N), dd_dt (H), dd_A (H), trap (H), angles (S)]
+        self.split_sizes = [E, E, G * N, G * N, H, H, H, S]
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=False)
+        self.out_proj = nn.Linear(E, cfg.d_model, bias=False)
+
+        # Δ₀ ~ log-uniform[dt_min, dt_max], floored; dt_bias = softplus⁻¹(Δ₀) so that
+        # softplus(0 + dt_bias) = Δ₀ at init (Mamba-2's initialisation).
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        self.B_bias = nn.Parameter(torch.empty(H, N))
+        self.C_bias = nn.Parameter(torch.empty(H, N))
+        self.B_norm_weight = nn.Parameter(torch.empty(N))
+        self.C_norm_weight = nn.Parameter(torch.empty(N))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        c = self.cfg
+        u = torch.rand(self.nheads)
+        dt = torch.exp(u * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
+        dt = dt.clamp(min=c.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.D.fill_(1.0)
+        self.B_bias.fill_(1.0)
+        self.C_bias.fill_(1.0)
+        self.B_norm_weight.fill_(1.0)
+        self.C_norm_weight.fill_(1.0)
+
+    def _project(self, u: Tensor):
+        """in_proj and the per-token parameters. Returns the scan's inputs, token-major."""
+        b, t, _ = u.shape
+        H, P, N, G = self.nheads, self.headdim, self.d_state, self.ngroups
+        z, x, B, C, dd_dt, dd_A, trap, angles = self.in_proj(u).split(self.split_sizes, dim=-1)
+        # Δ and A in fp32: they enter exp() and a cumulative sum.
+        dt = F.softplus(_f32(dd_dt) + self.dt_bias)  # (b, t, h)
+        A = torch.clamp(-F.softplus(_f32(dd_A)), max=-self.cfg.A_floor)
+        adt = A * dt
+        eps = self.cfg.norm_eps
+        B = F.rms_norm(_f32(B).view(b, t, G, N), (N,), _f32(self.B_norm_weight), eps)
+        C = F.rms_norm(_f32(C).view(b, t, G, N), (N,), _f32(self.C_norm_weight), eps)
+        return dict(
+            q=C.to(u.dtype),
+            k=B.to(u.dtype),
+            v=x.reshape(b, t, H, P),
+            z=z.reshape(b, t, H, P),
+            adt=adt,
+            dt=dt,
+            trap=_f32(trap),
+            angles=_f32(angles).unsqueeze(2).expand(b, t, H, self.n_angles),
+        )
+
+    def forward(
+        self,
+        u: Tensor,  # (b, t, d_model)
+        initial_state: State | None = None,
+        return_final_state: bool = False,
+    ):
+        b, t, _ = u.shape
+        p = self._project(u)
+        out = mamba3_siso(
+            p["q"], p["k"], p["v"],
+            p["adt"].transpose(1, 2), p["dt"].transpose(1, 2), p["trap"].transpose(1, 2),
+            self.C_bias, self.B_bias, p["angles"], self.D, p["z"],
+            chunk_size=self.cfg.chunk_size,
+            initial_state=initial_state,
+            return_final_state=return_final_state,
+            backend=self.cfg.scan_backend,
+        )  # fmt: skip
+        y, state = out if return_final_state else (out, None)
+        y = self.out_proj(y.reshape(b, t, self.d_inner))
+        return (y, state) if return_final_state else y
+
+    def empty_state(self, batch: int, device, dtype=torch.float32) -> State:
+        return zero_state(
+            batch,
+            self.nheads,
+            self.headdim,
+            self.d_state,
+            self.n_angles,
+            dtype=dtype,
+            device=device,
+        )
+
+    def step(self, u: Tensor, state: State) -> tuple[Tensor, State]:
+        """Decode one token: u (b, 1, d_model) → (y (b, 1, d_model), new state). O(1) in t."""
+        b = u.shape[0]
+        p = self._project(u)
+        y, state = mamba3_siso_step(
+            p["q"][:, 0], p["k"][:, 0], p["v"][:, 0],
+            p["adt"][:, 0], p["dt"][:, 0], p["trap"][:, 0],
+            self.C_bias, self.B_bias, p["angles"][:, 0], self.D, p["z"][:, 0], state,
+        )  # fmt: skip
+        return self.out_proj(y.reshape(b, 1, self.d_inner)), state
