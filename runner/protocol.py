@@ -33,7 +33,8 @@ WORKER_LOG = "worker.log"
 SUPERVISOR_LOG = "supervisor.log"
 
 # Test-only fault injection read by the worker (never set in production):
-#   M3RUN_FAULT="nan_at_step=7"     the loss of optimizer step 7 becomes NaN (every micro-batch)
+#   M3RUN_FAULT="nan_at_step=7"     the loss of optimizer step 7 becomes NaN (every micro-batch);
+#                                   "7x3": the first 3 attempts at step ≥ 7 (a skipped step is retried)
 #   M3RUN_FAULT="nan_from_step=7"   every step from 7 on is NaN (rollback cannot heal → exit 76)
 #   M3RUN_FAULT="hang_at_step=7"    the worker sleeps forever before step 7
 #   M3RUN_FAULT="crash_at_step=7"   the worker exits 1 before step 7
@@ -99,3 +100,33 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def now() -> float:
     return time.time()
+
+
+# Test-only companion of FAULT_ENV, read by the supervisor: "first" passes M3RUN_FAULT to the
+# first worker it starts only, so a chaos test can make one worker misbehave and check that the
+# restarted one heals the run; "all" (the default) passes it to every worker.
+FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
+
+# The preflight smoke test's result, written by the supervisor's smoke subprocess.
+SMOKE_FILE = "smoke.json"
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
+    """Write text to a temp file beside ``path`` and rename it over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# `m3run stop --grace S` writes {"grace_s": S, "time": ...} here before signalling the
+# supervisor; the supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
+STOP_REQUEST_FILE = "stop_request.json"

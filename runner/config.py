@@ -1,0 +1,767 @@
+"""The run configuration: one typed, validated schema for a whole training run.
+
+A run is described by a YAML file with one mapping per section::
+
+    model:      {preset: tiny, d_model: 96}   # a ModelConfig; `preset` expands, other keys override
+    train:      {total_steps: 300, micro_batch_size: 8, lr: 3.0e-3, warmup_steps: 30, ...}
+    data:       {train_path: runs/demo-data/train, seq_len: 256, ...}
+    checkpoint: {interval_steps: 50}
+    eval / log / supervisor: optional, every key has a default
+
+`load_config(path, overrides)` reads, applies ``section.key=value`` overrides and validates;
+every problem comes back as one `ConfigError` whose lines name the key, the bad value and the
+fix. `RunConfig.to_yaml()` writes the fully resolved config (every field, the preset name kept)
+and loading that text gives an equal config; `config_hash` fingerprints it.
+
+This module must stay torch-free: the supervisor and the light CLI commands import it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from model.config import PRESETS, ModelConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LogConfig",
+    "RunConfig",
+    "SupervisorConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "load_config",
+    "parse_config",
+]
+
+# torch.compile's documented modes; a typo here would otherwise surface only after the
+# worker's (possibly long) startup.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class ConfigError(ValueError):
+    """A bad run configuration. The message is for the user: it names the key, value and fix."""
+
+
+class _Section(BaseModel):
+    # frozen: a validated config is a record (its hash stays true); use apply_overrides or
+    # model_copy(update=...) to derive another. allow_inf_nan=False: `lr: .inf` is a typo.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class TrainConfig(_Section):
+    """Optimisation, schedule, numerics and NaN handling of the training worker."""
+
+    total_steps: int = Field(ge=1, description="Optimizer steps in the whole run.")
+    micro_batch_size: int = Field(ge=1, description="Sequences per forward/backward pass.")
+    grad_accum_steps: int = Field(
+        1, ge=1, description="Micro-batches accumulated into one optimizer step."
+    )
+    lr: float = Field(gt=0, description="Peak learning rate (AdamW), reached at the end of warmup.")
+    min_lr_ratio: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Final learning rate = lr · min_lr_ratio, reached at total_steps.",
+    )
+    warmup_steps: int = Field(
+        ge=1,
+        description=(
+            "Steps of linear warmup from near 0 to lr. Must be ≥ 1 (0 is rejected, never "
+            "silently reinterpreted). It may reach or exceed total_steps: the run then ends "
+            "during warmup, which is what a short smoke run of a long recipe wants."
+        ),
+    )
+    schedule: Literal["cosine", "wsd"] = Field(
+        "cosine",
+        description=(
+            "After warmup: `cosine` decays from lr to lr·min_lr_ratio at total_steps; `wsd` "
+            "(warmup-stable-decay) holds lr, then decays to lr·min_lr_ratio over the final "
+            "decay_fraction of total_steps."
+        ),
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd only: fraction of total_steps spent in the final decay."
+    )
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW β₁.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW β₂.")
+    eps: float = Field(1e-8, gt=0, description="AdamW ε.")
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="AdamW decoupled weight decay (applied to matrices, not norms/biases).",
+    )
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient L2 norm to this.")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Seed of the model init, the data order and every other RNG of the worker.",
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description=(
+            "bf16: bf16 autocast, fp32 weights and optimizer state; fp32: no autocast; "
+            "auto: bf16 on CUDA, fp32 on CPU."
+        ),
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where to train; auto = cuda when a CUDA device is visible, else cpu."
+    )
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    compile_mode: str | None = Field(
+        None,
+        description=(
+            f"torch.compile mode ({', '.join(COMPILE_MODES)}); null = torch's default. "
+            "Ignored when compile is false, so `train.compile=false` alone turns compilation off."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute block activations in backward to save memory."
+    )
+    nan_max_consecutive: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Non-finite (skipped) steps in a row before the worker rolls back in-process to "
+            "its last good state."
+        ),
+    )
+    nan_lr_factor: float = Field(
+        0.5, gt=0, le=1, description="Learning-rate scale applied on each in-process NaN rollback."
+    )
+    nan_max_rollbacks: int = Field(
+        3,
+        ge=1,
+        description="In-process NaN rollbacks allowed; one more and the worker exits 76.",
+    )
+
+    @field_validator("compile_mode")
+    @classmethod
+    def _known_compile_mode(cls, mode: str | None) -> str | None:
+        if mode is not None and mode not in COMPILE_MODES:
+            hint = _did_you_mean(mode, COMPILE_MODES)
+            raise ValueError(
+                f"train.compile_mode must be one of {', '.join(COMPILE_MODES)} or null, "
+                f"got {mode!r}{hint} (fix: set train.compile_mode to one of those)"
+            )
+        return mode
+
+    def resolve_device(self, cuda_available: bool) -> Literal["cpu", "cuda"]:
+        """The concrete device; `cuda` without a visible CUDA device is a ConfigError."""
+        if self.device == "auto":
+            return "cuda" if cuda_available else "cpu"
+        if self.device == "cuda" and not cuda_available:
+            raise ConfigError(
+                "train.device is cuda but no CUDA device is visible "
+                "(fix: expose a GPU to the process, or set train.device=cpu or auto)"
+            )
+        return self.device
+
+    def resolve_precision(self, device: Literal["cpu", "cuda"]) -> Literal["bf16", "fp32"]:
+        """The concrete precision for `device`: auto = bf16 on CUDA, fp32 on CPU."""
+        if self.precision == "auto":
+            return "bf16" if device == "cuda" else "fp32"
+        return self.precision
+
+
+class DataConfig(_Section):
+    """Where the token streams live and how they are cut into samples."""
+
+    train_path: str = Field(
+        min_length=1, description="Prepared training token data (a directory or file)."
+    )
+    val_path: str | None = Field(
+        None, description="Prepared validation token data; required when eval is on."
+    )
+    seq_len: int = Field(ge=2, description="Tokens per training sequence (context length).")
+    prefetch: int = Field(2, ge=0, description="Batches prepared ahead of the training step.")
+
+
+class CheckpointConfig(_Section):
+    """When checkpoints are written and how many are kept."""
+
+    interval_steps: int = Field(ge=1, description="Save a checkpoint every this many steps.")
+    keep_last: int = Field(
+        3, ge=1, description="Complete checkpoints kept; older ones are deleted after a save."
+    )
+    save_on_exit: bool = Field(
+        True, description="Save on a graceful stop (SIGTERM, preemption) and at the end of the run."
+    )
+
+
+class EvalConfig(_Section):
+    """Periodic validation loss."""
+
+    interval_steps: int = Field(
+        0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off."
+    )
+    steps: int = Field(20, ge=1, description="Validation batches per evaluation.")
+
+
+class LogConfig(_Section):
+    """Metrics and heartbeat cadence."""
+
+    interval_steps: int = Field(
+        10, ge=1, description="Append a metrics.jsonl record every this many steps."
+    )
+    heartbeat_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "heartbeat.json is rewritten after optimizer steps at most this often (seconds), "
+            "and always on a phase change."
+        ),
+    )
+
+
+class SupervisorConfig(_Section):
+    """How the supervisor watches, restarts and stops the worker."""
+
+    max_restarts: int = Field(
+        10, ge=0, description="Worker restarts allowed within restart_window_s before giving up."
+    )
+    restart_window_s: float = Field(
+        3600.0, gt=0, description="Sliding window (seconds) over which max_restarts is counted."
+    )
+    no_progress_restarts: int = Field(
+        3,
+        ge=1,
+        description="Consecutive restarts without a new checkpoint before giving up (exit 70).",
+    )
+    backoff_initial_s: float = Field(
+        2.0, gt=0, description="Delay before the first restart; doubles on each further one."
+    )
+    backoff_max_s: float = Field(300.0, gt=0, description="Upper bound of the restart delay.")
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds a new worker may take to its first heartbeat (covers compilation).",
+    )
+    heartbeat_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "A heartbeat older than this (seconds) means a hung worker; null = calibrated as "
+            "heartbeat_safety_factor × the observed step time."
+        ),
+    )
+    heartbeat_safety_factor: float = Field(
+        5.0, ge=1, description="Multiplier of the observed step time for the calibrated timeout."
+    )
+    stop_grace_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Seconds between SIGTERM to the worker (save and exit) and SIGKILL. Set Docker "
+            "--stop-timeout / Kubernetes terminationGracePeriodSeconds above it."
+        ),
+    )
+    nan_lr_factor: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Learning-rate scale applied when the supervisor restarts after exit 76 (NaN).",
+    )
+    preemption_provider: Literal["auto", "none", "aws", "gcp", "azure"] = Field(
+        "auto",
+        description="Cloud whose preemption notices are polled; auto detects it, none disables.",
+    )
+    preemption_poll_s: float = Field(
+        5.0, gt=0, description="Seconds between preemption-notice polls."
+    )
+    metadata_url: str | None = Field(
+        None,
+        description="Override of the provider's metadata endpoint base URL (tests, proxies).",
+    )
+    smoke: bool = Field(
+        True, description="Run the preflight smoke test (a few real steps) before the first launch."
+    )
+    vram_warn_fraction: float = Field(
+        0.95, gt=0, le=1, description="Warn when used GPU memory exceeds this fraction of total."
+    )
+
+    @field_validator("metadata_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"https?://[^/\s]+", url):
+            raise ValueError(
+                f"supervisor.metadata_url must be an http(s) URL, got {url!r} "
+                "(fix: write it like http://169.254.169.254, or null for the provider default)"
+            )
+        return url
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SupervisorConfig:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(
+                f"supervisor.backoff_initial_s ({self.backoff_initial_s}) must be ≤ "
+                f"supervisor.backoff_max_s ({self.backoff_max_s}) "
+                "(fix: lower backoff_initial_s or raise backoff_max_s)"
+            )
+        return self
+
+
+class RunConfig(_Section):
+    """Everything one run needs; its resolved form is frozen into runs/<name>/config.yaml."""
+
+    model: ModelConfig = Field(
+        description=(
+            "The Mamba-3-Lite model. In YAML: `{preset: <name>, <field>: <value>, ...}` expands "
+            "the preset and then applies the other keys, or give the fields explicitly."
+        )
+    )
+    train: TrainConfig = Field(description="Optimisation, schedule, numerics, NaN handling.")
+    data: DataConfig = Field(description="Training and validation data.")
+    checkpoint: CheckpointConfig = Field(description="Checkpoint cadence and retention.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic validation.")
+    log: LogConfig = Field(default_factory=LogConfig, description="Metrics and heartbeat cadence.")
+    supervisor: SupervisorConfig = Field(
+        default_factory=SupervisorConfig, description="Restart, hang, stop and preemption policy."
+    )
+
+    # The preset the model section was expanded from (None: explicit fields). Kept so the dump
+    # says where the model came from; part of equality and of the hash.
+    _model_preset: str | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _expand_model_preset(cls, data: Any, handler):
+        if not isinstance(data, Mapping):
+            return handler(data)
+        preset, model = None, data.get("model")
+        if isinstance(model, str):  # `model: tiny` is shorthand for `model: {preset: tiny}`
+            model = {"preset": model}
+        if isinstance(model, Mapping) and "preset" in model:
+            fields = dict(model)
+            preset = fields.pop("preset")
+            if preset is not None:
+                _check_preset_name(preset)
+                # Same result as ModelConfig.preset(preset, **fields), but validated as a
+                # nested dict so errors keep their `model.<field>` location.
+                fields = {**PRESETS[preset], **fields}
+            data = {**data, "model": fields}
+        cfg = handler(data)
+        cfg._model_preset = preset
+        return cfg
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> RunConfig:
+        if self.eval.interval_steps > 0 and self.data.val_path is None:
+            raise ValueError(
+                f"eval.interval_steps is {self.eval.interval_steps} but data.val_path is not set "
+                "(fix: set data.val_path, or set eval.interval_steps=0 to turn evaluation off)"
+            )
+        timeout = self.supervisor.heartbeat_timeout_s
+        if timeout is not None and timeout <= self.log.heartbeat_interval_s:
+            raise ValueError(
+                f"supervisor.heartbeat_timeout_s ({timeout}) must exceed "
+                f"log.heartbeat_interval_s ({self.log.heartbeat_interval_s}), or a healthy "
+                "worker is killed as hung (fix: raise heartbeat_timeout_s, or null to calibrate)"
+            )
+        return self
+
+    @field_serializer("model")
+    def _dump_model(self, model: ModelConfig, info) -> dict[str, Any]:
+        fields = model.model_dump(mode=info.mode)
+        if self._model_preset is None:
+            return fields
+        return {"preset": self._model_preset, **fields}
+
+    @property
+    def model_preset(self) -> str | None:
+        """The model preset name the config was built from, or None for explicit fields."""
+        return self._model_preset
+
+    @property
+    def global_batch_tokens(self) -> int:
+        """Tokens per optimizer step: micro_batch_size · grad_accum_steps · seq_len."""
+        t = self.train
+        return t.micro_batch_size * t.grad_accum_steps * self.data.seq_len
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML: every field, sections in schema order, preset kept."""
+        return yaml.safe_dump(
+            self.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100
+        )
+
+    def warnings(self) -> list[str]:
+        """Legal but probably unintended settings, one sentence each, for the CLI to show."""
+        t, out = self.train, []
+        if t.warmup_steps >= t.total_steps:
+            out.append(
+                f"train.warmup_steps ({t.warmup_steps}) ≥ train.total_steps ({t.total_steps}): "
+                "the run ends during warmup and never reaches the peak learning rate"
+            )
+        elif t.schedule == "wsd":
+            decay = math.ceil(t.decay_fraction * t.total_steps)
+            if t.warmup_steps > t.total_steps - decay:
+                out.append(
+                    f"train.warmup_steps ({t.warmup_steps}) runs into the wsd decay, which "
+                    f"starts at step {t.total_steps - decay}: there is no stable phase"
+                )
+        if t.compile_mode is not None and not t.compile:
+            out.append(f"train.compile_mode={t.compile_mode} is ignored: train.compile is false")
+        if t.precision == "bf16" and t.device == "cpu":
+            out.append("train.precision=bf16 on train.device=cpu: CPU bf16 autocast is slow")
+        if self.data.val_path is not None and self.eval.interval_steps == 0:
+            out.append("data.val_path is set but eval.interval_steps is 0: no evaluation will run")
+        if self.eval.interval_steps > t.total_steps:
+            out.append(
+                f"eval.interval_steps ({self.eval.interval_steps}) > train.total_steps "
+                f"({t.total_steps}): evaluation never runs"
+            )
+        if self.checkpoint.interval_steps > t.total_steps and not self.checkpoint.save_on_exit:
+            out.append(
+                "checkpoint.interval_steps > train.total_steps and save_on_exit is false: "
+                "the run never writes a checkpoint"
+            )
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML run config, apply `section.key=value` overrides, validate.
+
+    Raises ConfigError (a ValueError) for a missing or unreadable file, bad YAML, a malformed
+    override, or any invalid value, with one line per problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        shown = str(path) if path.is_absolute() else f"{path} (resolved: {path.absolute()})"
+        raise ConfigError(
+            f"config file {what}: {shown} (fix: pass the path of a YAML run config, "
+            "e.g. configs/demo_cpu.yaml)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    return parse_config(text, overrides, source=str(path))
+
+
+def parse_config(
+    text: str, overrides: Sequence[str] = (), *, source: str = "<string>"
+) -> RunConfig:
+    """Like `load_config`, from YAML text; `source` names it in error messages."""
+    try:
+        raw = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {source}:\n{e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source} must be a YAML mapping of sections (model, train, data, ...), "
+            f"got a {type(raw).__name__}"
+        )
+    return _validate(raw, overrides, source)
+
+
+def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """A new, validated config: `cfg` with `section.key=value` overrides applied in order."""
+    return _validate(cfg.model_dump(mode="python"), overrides, "the config")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 (hex) of the canonical resolved dump; equal configs hash equal in any process."""
+    canonical = json.dumps(
+        cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _validate(raw: dict, overrides: Sequence[str], source: str) -> RunConfig:
+    if isinstance(overrides, str):  # a lone string would otherwise be split into characters
+        overrides = [overrides]
+    raw = _apply_raw_overrides(raw, overrides)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        by_key = {_override_key(o): o for o in overrides}
+        lines = [_format_error(err, by_key) for err in e.errors()]
+        where = f"{source} with overrides {' '.join(overrides)}" if overrides else source
+        raise ConfigError(
+            f"invalid config {where}:\n" + "\n".join(f"  - {ln}" for ln in lines)
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+
+
+def _override_key(override: str) -> str:
+    return override.partition("=")[0].strip()
+
+
+def _apply_raw_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    sections = list(RunConfig.model_fields)
+    for override in overrides:
+        key, eq, text = override.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ConfigError(
+                f"override {override!r} has no '=' (fix: write it as section.key=value, "
+                "e.g. train.lr=1e-4)"
+            )
+        parts = key.split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(
+                f"override {override!r}: expected section.key=value with exactly one dot in "
+                f"the key, got key {key!r} (fix: e.g. train.lr=1e-4 or model.d_model=64)"
+            )
+        section, name = parts
+        if section not in sections:
+            raise ConfigError(
+                f"override {override!r}: unknown section {section!r}"
+                f"{_did_you_mean(section, sections)} (fix: use one of {', '.join(sections)})"
+            )
+        value = _parse_scalar(text)
+        current = raw.get(section, {})
+        if section == "model" and isinstance(current, str):
+            current = {"preset": current}
+        if current is None:
+            current = {}
+        if not isinstance(current, Mapping):
+            raise ConfigError(
+                f"override {override!r}: section {section} is a {type(current).__name__}, "
+                f"not a mapping (fix: make {section} a mapping of keys in the config file)"
+            )
+        current = dict(current)
+        if section == "model" and name == "preset":
+            current = _switch_preset(current)
+        current[name] = value
+        raw[section] = current
+    return raw
+
+
+def _switch_preset(model: dict) -> dict:
+    """Drop the keys that only restate the old preset (or the defaults), so a new preset shows.
+
+    A resolved dump lists every model field; without this, `model.preset=tiny` on a dumped
+    434m config would be overruled by the 434m values. Keys that differ from the old preset
+    are the user's own overrides and are kept on top of the new one.
+    """
+    base = ModelConfig().model_dump()
+    old = model.get("preset")
+    if isinstance(old, str) and old in PRESETS:
+        base.update(PRESETS[old])
+    return {k: v for k, v in model.items() if k == "preset" or k not in base or base[k] != v}
+
+
+def _parse_scalar(text: str) -> Any:
+    """An override value as YAML reads it (1e-4 → float, true → bool, null/empty → None).
+
+    Text YAML cannot parse (e.g. a path starting with '@') is taken as a plain string.
+    """
+    text = text.strip()
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+    except yaml.YAMLError:
+        return text
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-4` as a float (YAML 1.2) and rejects duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key_node.value!r} (first at line "
+                    f"{seen[key_node.value].line + 1}); delete one of them",
+                    key_node.start_mark,
+                )
+            seen[key_node.value] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+# PyYAML follows YAML 1.1, where a float needs a dot: `lr: 3e-4` would load as the string
+# "3e-4". Add the YAML 1.2 exponent-only forms.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Error messages
+
+
+_FIX_HINTS = {
+    "train.warmup_steps": (
+        "set train.warmup_steps to a positive number of steps, e.g. 1–5% of train.total_steps"
+    ),
+}
+
+_BOUNDS = {
+    "greater_than_equal": ("≥", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("≤", "le"),
+    "less_than": ("<", "lt"),
+}
+
+_TYPE_PROBLEMS = {
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "model_type": "a mapping of keys",
+    "model_attributes_type": "a mapping of keys",
+    "dict_type": "a mapping of keys",
+}
+
+
+def _format_error(err: Mapping[str, Any], by_override: Mapping[str, str]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    key = ".".join(loc)
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    line = _describe(kind, loc, key, ctx, value, err["msg"])
+    if key in by_override:
+        line += f" [from override {by_override[key]}]"
+    return line
+
+
+def _describe(kind: str, loc: tuple[str, ...], key: str, ctx: Mapping, value: Any, msg: str) -> str:
+    if kind == "extra_forbidden":
+        parent, name = loc[:-1], loc[-1]
+        valid = _valid_keys(parent)
+        what = "section" if not parent else "key"
+        hint = _did_you_mean(name, valid, prefix=".".join(parent))
+        fix = "rename or remove it" if hint else f"remove it; valid keys: {', '.join(valid)}"
+        return f"unknown {what} {key}{hint} (fix: {fix})"
+    if kind == "missing":
+        if len(loc) == 1:
+            return f"{key}: required section is missing (fix: add a `{key}:` section)"
+        return f"{key}: required but missing (fix: add `{loc[-1]}:` under `{'.'.join(loc[:-1])}:`)"
+    if kind in _BOUNDS:
+        sign, name = _BOUNDS[kind]
+        bound = ctx[name]
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)  # pydantic reports `gt=0` on a float field as 0.0
+        fix = _FIX_HINTS.get(key, f"set {key} to a value {sign} {bound}")
+        return f"{key}: must be {sign} {bound}, got {_show(value)} (fix: {fix})"
+    if kind == "literal_error":
+        choices = _literal_choices(loc)
+        shown = ", ".join(_show(c) for c in choices) or ctx.get("expected", "")
+        hint = _did_you_mean(str(value), [str(c) for c in choices])
+        return (
+            f"{key}: must be one of {shown}, got {_show(value)}{hint} "
+            f"(fix: set {key} to one of {shown})"
+        )
+    if kind in _TYPE_PROBLEMS:
+        want = _TYPE_PROBLEMS[kind]
+        return f"{key or 'config'}: must be {want}, got {_show(value)} (fix: set {key} to {want})"
+    if kind == "string_too_short":
+        return f"{key}: must not be empty (fix: set {key})"
+    if kind in ("value_error", "assertion_error"):
+        text = str(ctx.get("error", msg)).removeprefix("Value error, ")
+        if "fix:" not in text:
+            text += f" (fix: change the {key or 'config'} section accordingly)"
+        return f"{key}: {text}" if key and not text.startswith(key) else text
+    return f"{key or 'config'}: {msg}, got {_show(value)}"
+
+
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    cls: type[BaseModel] = RunConfig
+    for part in loc:
+        field = cls.model_fields.get(part)
+        if field is None or not (
+            isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        ):
+            return None
+        cls = field.annotation
+    return cls
+
+
+def _valid_keys(parent: tuple[str, ...]) -> list[str]:
+    cls = _model_at(parent)
+    if cls is None:
+        return []
+    keys = list(cls.model_fields)
+    if cls is ModelConfig:
+        keys.insert(0, "preset")
+    return keys
+
+
+def _literal_choices(loc: tuple[str, ...]) -> list[Any]:
+    cls = _model_at(loc[:-1])
+    field = cls.model_fields.get(loc[-1]) if cls is not None else None
+    if field is None:
+        return []
+    ann = field.annotation
+    candidates = [ann, *get_args(ann)]
+    for c in candidates:
+        if get_origin(c) is Literal:
+            return list(get_args(c))
+    return []
+
+
+def _did_you_mean(word: str, choices: Sequence[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" — did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return str(value)
+
+
+def _check_preset_name(preset: Any) -> None:
+    if not isinstance(preset, str) or preset not in PRESETS:
+        names = sorted(PRESETS)
+        hint = _did_you_mean(str(preset), names)
+        raise ValueError(
+            f"model.preset: unknown preset {_show(preset)}{hint} "
+            f"(fix: use one of {', '.join(names)}, or give the model fields explicitly)"
+        )

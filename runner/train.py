@@ -1,0 +1,700 @@
+"""The training worker: `m3run train CONFIG --run-dir DIR` / `python -m runner.train ...`.
+
+Builds the model, the optimizer, the schedule and the data stream from a `RunConfig`, resumes
+from a checkpoint when asked, trains, and leaves everything the supervisor watches in the run
+directory (heartbeat.json, metrics.jsonl, checkpoints/). Exit codes are the protocol in
+runner/protocol.py: 0 finished, 75 stopped after a saved checkpoint, 76 NaN excursion not healed,
+78 bad config or data, anything else a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.mamba3 import BackendUnavailableError, resolve_backend
+from model import Mamba3LM
+from model.lm import param_groups
+
+from . import __version__
+from . import checkpoint as ckpt
+from .config import ConfigError, RunConfig, config_hash, load_config
+from .data import BatchLoader, DataError, check_vocab, eval_batches
+from .protocol import (
+    CONFIG_FILE,
+    EXIT_CONFIG,
+    EXIT_NAN,
+    EXIT_OK,
+    EXIT_STOPPED,
+    FAULT_ENV,
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    append_jsonl,
+    atomic_write_json,
+)
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
+_BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
+
+
+class NaNExcursion(RuntimeError):
+    """Non-finite steps the in-process rollback could not heal (worker exit 76)."""
+
+
+class StopRequested(Exception):
+    pass
+
+
+# -- schedule ----------------------------------------------------------------------------------
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (1-based), before the NaN-rollback scale.
+
+    Linear warmup over ``warmup_steps`` (step 1 gets lr/warmup, never 0), then cosine to
+    ``lr·min_lr_ratio`` at ``total_steps``, or WSD: constant, then a linear decay over the last
+    ``decay_fraction`` of the steps (Hu et al., MiniCPM 2024).
+    """
+    t = cfg.train
+    peak, floor = t.lr, t.lr * t.min_lr_ratio
+    if step <= t.warmup_steps:
+        return peak * step / t.warmup_steps
+    if t.schedule == "cosine":
+        span = max(1, t.total_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay_start = max(t.warmup_steps, round(t.total_steps * (1.0 - t.decay_fraction)))
+    if step <= decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start) / max(1, t.total_steps - decay_start))
+    return peak + (floor - peak) * progress
+
+
+# -- fault injection (tests only) ---------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    """Parsed from M3RUN_FAULT (see runner/protocol.py). Empty in production."""
+
+    spec: dict[str, str]
+    fired: list[str]
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        spec = {}
+        for part in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            key, _, value = part.partition("=")
+            spec[key.strip()] = value.strip()
+        return cls(spec, [])
+
+    def _once(self, key: str, step: int) -> bool:
+        """True for the first N attempts at a step ≥ the fault's step ("7" or "7x3")."""
+        if key not in self.spec:
+            return False
+        at, _, count = self.spec[key].partition("x")
+        if step < int(at) or self.fired.count(key) >= int(count or 1):
+            return False
+        self.fired.append(key)
+        return True
+
+    def before_step(self, step: int) -> None:
+        if self._once("crash_at_step", step):
+            print(f"[fault] crash before step {step}", flush=True)
+            os._exit(1)
+        if self._once("hang_at_step", step):
+            print(f"[fault] hang before step {step}", flush=True)
+            while True:
+                time.sleep(3600)
+
+    def poison(self, step: int) -> bool:
+        if "nan_from_step" in self.spec and step >= int(self.spec["nan_from_step"]):
+            return True
+        return self._once("nan_at_step", step)
+
+    def startup(self) -> None:
+        if "crash_at_startup" in self.spec:
+            print("[fault] crash at startup", flush=True)
+            os._exit(1)
+
+    @property
+    def slow_save(self) -> float:
+        return float(self.spec.get("slow_save", 0.0))
+
+
+# -- the worker --------------------------------------------------------------------------------
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _fmt_tokens(n: float) -> str:
+    return f"{n / 1e3:.1f}k" if n < 1e6 else f"{n / 1e6:.2f}M"
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        resume: str = "latest",
+        force: bool = False,
+        lr_scale: float = 1.0,
+    ):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.force = force
+        self.lr_scale_arg = lr_scale
+        self.faults = Faults.from_env()
+        self.stop_signal: int | None = None
+        self._last_heartbeat = 0.0
+        self.phase = "startup"
+        self.step = 0
+        self.tokens_seen = 0
+        self.lr_scale = 1.0
+        self.nan_rollbacks = 0
+        self.skip_positions: list[int] = []  # data positions of windows that produced NaN
+        self.last_checkpoint_step: int | None = None
+        self.checkpoint_time_s: float | None = None
+        self.step_time_s: float | None = None
+        self.last: dict = {}
+        self.tracker = None
+
+    # ---- setup ----
+
+    def setup(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._freeze_config()
+        self.device = self._resolve_device()
+        try:
+            self.scan_backend = resolve_backend(cfg.model.scan_backend, self.device)
+        except BackendUnavailableError as e:
+            raise ConfigError(
+                f"model.scan_backend={cfg.model.scan_backend}: {e}. "
+                "Fix: set model.scan_backend=auto or pytorch, or run on a CUDA machine with triton."
+            ) from e
+        self.heartbeat(force=True)
+        self.faults.startup()
+        self.autocast_dtype = self._resolve_precision()
+
+        torch.manual_seed(t.seed)
+        model = Mamba3LM(cfg.model)
+        model.activation_checkpointing = t.activation_checkpointing
+        self.model = model.to(self.device)
+        self.n_params = self.model.num_params()
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            fused=self.device.type == "cuda",
+        )
+        self.loader = BatchLoader(
+            cfg.data.train_path,
+            cfg.data.seq_len,
+            t.micro_batch_size,
+            t.seed,
+            prefetch=cfg.data.prefetch,
+            pin_memory=self.device.type == "cuda",
+        )
+        check_vocab(self.loader, cfg.model.vocab_size)
+        self.val_batches = None
+        if cfg.eval.interval_steps and cfg.data.val_path:
+            self.val_batches = eval_batches(
+                cfg.data.val_path, cfg.data.seq_len, t.micro_batch_size, cfg.eval.steps
+            )
+        self.resumed_from = self._resume()
+        self.lr_scale *= self.lr_scale_arg
+        self.step_model = self.model
+        if t.compile:
+            mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
+            self.set_phase("compiling")
+            self.step_model = torch.compile(self.model, mode=mode)
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
+        self.peak_flops = self._peak_flops()
+        self._start_tracker()
+
+    def _freeze_config(self) -> None:
+        path = self.run_dir / CONFIG_FILE
+        text = self.cfg.to_yaml()
+        if path.exists():
+            frozen = load_config(path)
+            if config_hash(frozen) != config_hash(self.cfg) and not self.force:
+                raise ConfigError(
+                    f"the config differs from the one frozen in {path} at the first launch. "
+                    "Fix: relaunch with the same config, or pass --force to replace it."
+                )
+            if config_hash(frozen) == config_hash(self.cfg):
+                return
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def _resolve_device(self) -> torch.device:
+        return torch.device(self.cfg.train.resolve_device(torch.cuda.is_available()))
+
+    def _resolve_precision(self):
+        precision = self.cfg.train.resolve_precision(self.device.type)
+        if precision == "bf16" and self.device.type == "cpu":
+            raise ConfigError(
+                "train.precision=bf16 on CPU would be slow and inexact. "
+                "Fix: set train.precision=fp32 (or auto)."
+            )
+        return torch.bfloat16 if precision == "bf16" else None
+
+    def _peak_flops(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        if os.environ.get("M3RUN_PEAK_FLOPS"):
+            return float(os.environ["M3RUN_PEAK_FLOPS"])
+        name = torch.cuda.get_device_name(self.device)
+        for key, peak in _BF16_PEAK.items():
+            if key in name:
+                return peak
+        return None
+
+    def _start_tracker(self) -> None:
+        project = os.environ.get("WANDB_PROJECT")
+        if not project:
+            return
+        resumed = self.resumed_from is not None
+        try:
+            import wandb  # optional: only when WANDB_PROJECT is set
+
+            self.tracker = wandb.init(
+                project=project,
+                name=self.run_dir.name,
+                dir=str(self.run_dir),
+                config=self.cfg.model_dump(mode="json"),
+                resume="allow",
+                id=f"m3run-{config_hash(self.cfg)[:12]}",
+            )
+        except Exception as e:
+            if not resumed:
+                raise ConfigError(
+                    f"WANDB_PROJECT={project} is set but the experiment tracker failed to start: "
+                    f"{type(e).__name__}: {e}. Fix: install and log in to wandb "
+                    "(`pip install wandb; wandb login`), or unset WANDB_PROJECT."
+                ) from e
+            print(f"warning: experiment tracker unavailable on resume ({e}); training goes on")
+            self.tracker = None
+
+    def _track(self, record: dict) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.log({k: v for k, v in record.items() if k != "kind"}, step=self.step)
+        except Exception as e:  # a tracker outage must never kill a running job
+            print(f"warning: experiment tracker failed ({e}); disabling it for this process")
+            self.tracker = None
+
+    # ---- resume ----
+
+    def _resume(self) -> int | None:
+        resume = self.resume
+        infos = ckpt.list_checkpoints(self.run_dir, verify=False)
+        if resume == "none":
+            if infos and not self.force:
+                raise ConfigError(
+                    f"--resume none but {self.run_dir / 'checkpoints'} already holds "
+                    f"{len(infos)} checkpoint(s). Fix: use --resume latest to continue, "
+                    "or --force to start over (the old checkpoints are moved aside, not deleted)."
+                )
+            if infos:
+                aside = self.run_dir / f"checkpoints.old-{int(time.time())}"
+                os.replace(self.run_dir / "checkpoints", aside)
+                print(f"--resume none --force: previous checkpoints moved to {aside}")
+            return None
+        if resume == "latest":
+            info = ckpt.latest_complete(self.run_dir)
+            if info is None:
+                torn = [i for i in infos if not i.complete]
+                if torn:
+                    print(f"note: ignoring {len(torn)} incomplete checkpoint(s); starting fresh")
+                return None
+        else:
+            try:
+                step = int(resume)
+            except ValueError:
+                raise ConfigError(
+                    f"--resume must be latest, none or a step number, got {resume!r}"
+                ) from None
+            try:
+                info = ckpt.find_step(self.run_dir, step)
+            except ckpt.CheckpointError as e:
+                raise ConfigError(str(e)) from e
+        self.load(info.path)
+        print(f"resumed from {info.path} (step {self.step})", flush=True)
+        append_jsonl(
+            self.run_dir / METRICS_FILE,
+            {"kind": "resume", "step": self.step, "time": time.time(), "pid": os.getpid()},
+        )
+        return self.step
+
+    def load(self, path: Path) -> None:
+        model_state, state, meta = ckpt.load_checkpoint(path)
+        if meta.get("config_hash") not in (None, config_hash(self.cfg)) and not self.force:
+            print(
+                f"warning: checkpoint {path.name} was written under a different config "
+                "(model or schedule changes apply from here on)"
+            )
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.lr_scale = float(state["lr_scale"])
+        self.nan_rollbacks = int(state["nan_rollbacks"])
+        self.skip_positions = [int(p) for p in state["skip_positions"]]
+        self.loader.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if self.device.type == "cuda" and state["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self.last_checkpoint_step = self.step
+
+    # ---- checkpoints ----
+
+    def save(self) -> Path:
+        prev_phase = self.phase
+        self.set_phase("checkpointing")
+        t0 = time.perf_counter()
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "lr_scale": self.lr_scale,
+            "nan_rollbacks": self.nan_rollbacks,
+            "skip_positions": list(self.skip_positions),
+            "data": self.loader.state_dict(),
+            "rng": rng,
+        }
+        meta = {
+            "tokens_seen": self.tokens_seen,
+            "data_state": self.loader.state_dict(),
+            "config_hash": config_hash(self.cfg),
+            "versions": {
+                "m3run": __version__,
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+            },
+            "loss": self.last.get("loss"),
+        }
+        if self.faults.slow_save:
+            time.sleep(self.faults.slow_save)
+        path = ckpt.save_checkpoint(self.run_dir, self.step, self.model.state_dict(), state, meta)
+        protect = {self.resumed_from} if self.resumed_from is not None else set()
+        ckpt.apply_retention(self.run_dir, self.cfg.checkpoint.keep_last, protect=protect)
+        self.checkpoint_time_s = time.perf_counter() - t0
+        self.last_checkpoint_step = self.step
+        self.set_phase(prev_phase)
+        print(f"saved checkpoint step {self.step} in {self.checkpoint_time_s:.2f}s", flush=True)
+        return path
+
+    # ---- heartbeat / metrics ----
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.heartbeat(force=True)
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_heartbeat < self.cfg.log.heartbeat_interval_s:
+            return
+        self._last_heartbeat = now
+        vram = None
+        dev = getattr(self, "device", None)
+        if dev is not None and dev.type == "cuda":
+            vram = torch.cuda.max_memory_allocated(dev)
+        atomic_write_json(
+            self.run_dir / HEARTBEAT_FILE,
+            {
+                "pid": os.getpid(),
+                "phase": self.phase,
+                "step": self.step,
+                "total_steps": self.cfg.train.total_steps,
+                "loss": self.last.get("loss"),
+                "lr": self.last.get("lr"),
+                "grad_norm": self.last.get("grad_norm"),
+                "tokens_per_s": self.last.get("tokens_per_s"),
+                "mfu": self.last.get("mfu"),
+                "vram_bytes": vram,
+                "step_time_s": self.step_time_s,
+                "checkpoint_time_s": self.checkpoint_time_s,
+                "last_checkpoint_step": self.last_checkpoint_step,
+                "ts": now,
+            },
+        )
+
+    def log_step(self, record: dict, eta_s: float) -> None:
+        append_jsonl(self.run_dir / METRICS_FILE, record)
+        self._track(record)
+        mem = ""
+        if self.device.type == "cuda":
+            mem = f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GB"
+        mfu = f" | mfu {record['mfu'] * 100:.1f}%" if record["mfu"] is not None else ""
+        print(
+            f"step {record['step']}/{self.cfg.train.total_steps} | loss {record['loss']:.4f} "
+            f"| ppl {record['ppl']:.1f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} "
+            f"| {_fmt_tokens(record['tokens_per_s'])} tok/s{mfu}{mem} | eta {_fmt_duration(eta_s)}",
+            flush=True,
+        )
+
+    # ---- the loop ----
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is None:
+            print(f"received {signal.Signals(signum).name}: stopping after this step", flush=True)
+        self.stop_signal = signum
+
+    def train_step(self) -> dict | None:
+        """One optimizer step over grad_accum_steps micro-batches. Returns the step's record,
+        or None when the step was skipped as non-finite (weights and moments untouched)."""
+        t = self.cfg.train
+        step = self.step + 1
+        self.faults.before_step(step)
+        lr = lr_at(self.cfg, step) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.loader.windows_consumed in self.skip_positions:
+            self.loader.skip(t.grad_accum_steps)
+            print(
+                f"skipping the data window at position {self.loader.windows_consumed} (NaN earlier)"
+            )
+        start_pos = self.loader.windows_consumed
+        poison = self.faults.poison(step)
+        loss_sum = torch.zeros((), device=self.device)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        for _ in range(t.grad_accum_steps):
+            x, y = self.loader.next_batch()
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            with autocast:
+                loss = self.step_model(x, y)
+            if poison:
+                loss = loss * float("nan")
+            # Divide before backward so the summed gradients are those of the mean loss.
+            (loss / t.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        mean_loss = (loss_sum / t.grad_accum_steps).item()
+        gnorm = grad_norm.item()
+        if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": mean_loss, "grad_norm": gnorm, "lr": lr}
+
+    def rollback(self, bad_positions: list[int]) -> None:
+        """In-process recovery from a NaN excursion: back to the latest complete checkpoint,
+        never again on the offending data, with the learning rate scaled down."""
+        self.nan_rollbacks += 1
+        if self.nan_rollbacks > self.cfg.train.nan_max_rollbacks:
+            raise NaNExcursion(
+                f"{self.nan_rollbacks - 1} in-process rollbacks did not heal the non-finite "
+                f"loss/gradients at step {self.step + 1}"
+            )
+        info = ckpt.latest_complete(self.run_dir)
+        if info is None:
+            raise NaNExcursion(
+                f"non-finite loss/gradients at step {self.step + 1} and no complete checkpoint "
+                "to roll back to"
+            )
+        skip = sorted(set(self.skip_positions) | set(bad_positions))
+        rollbacks = self.nan_rollbacks
+        scale = self.lr_scale * self.cfg.train.nan_lr_factor
+        self.load(info.path)
+        # What the rollback decided outlives the checkpoint it restored.
+        self.skip_positions, self.nan_rollbacks, self.lr_scale = skip, rollbacks, scale
+        append_jsonl(
+            self.run_dir / METRICS_FILE,
+            {"kind": "rollback", "step": self.step, "lr_scale": scale, "time": time.time(),
+             "skipped_positions": skip},
+        )  # fmt: skip
+        print(
+            f"NaN rollback #{rollbacks}: restored step {self.step}, lr scale {scale:g}, "
+            f"skipping {len(skip)} data window(s)",
+            flush=True,
+        )
+
+    def eval(self) -> float | None:
+        if self.val_batches is None:
+            return None
+        self.set_phase("eval")
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for x, y in self.val_batches:
+                x, y = x.to(self.device), y.to(self.device)
+                if self.autocast_dtype is not None:
+                    with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+                        total += self.model(x, y).item()
+                else:
+                    total += self.model(x, y).item()
+        self.model.train()
+        self.set_phase("training")
+        loss = total / len(self.val_batches)
+        record = {"kind": "eval", "step": self.step, "eval_loss": loss, "time": time.time()}
+        append_jsonl(self.run_dir / METRICS_FILE, record)
+        self._track(record)
+        print(f"eval step {self.step} | val loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.1f}")
+        return loss
+
+    def train(self) -> int:
+        cfg, t = self.cfg, self.cfg.train
+        self.model.train()
+        self.set_phase("training")
+        bad_streak: list[int] = []
+        # Step time excludes evals and checkpoint saves (they are reported on their own).
+        window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
+        run_t0, run_step0 = time.perf_counter(), self.step
+        while self.step < t.total_steps:
+            if self.stop_signal is not None:
+                raise StopRequested
+            out = self.train_step()
+            if out.get("bad"):
+                bad_streak.append(out["start_pos"])
+                print(
+                    f"step {self.step + 1}: non-finite loss {out['loss']} / grad norm "
+                    f"{out['grad_norm']}: step skipped ({len(bad_streak)} in a row)",
+                    flush=True,
+                )
+                append_jsonl(
+                    self.run_dir / METRICS_FILE,
+                    {"kind": "nonfinite", "step": self.step + 1, "time": time.time()},
+                )
+                if len(bad_streak) >= t.nan_max_consecutive:
+                    self.rollback(bad_streak)
+                    bad_streak = []
+                self.heartbeat()
+                continue
+            bad_streak = []
+            window_steps += 1
+            self.last.update(out)
+            if self.step % cfg.log.interval_steps == 0 or self.step == t.total_steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - window_t0 - paused
+                self.step_time_s = elapsed / max(1, window_steps)
+                tps = self.tokens_per_step / self.step_time_s
+                mfu = 6 * self.n_params * tps / self.peak_flops if self.peak_flops else None
+                run_rate = (time.perf_counter() - run_t0) / max(1, self.step - run_step0)
+                record = {
+                    "kind": "train",
+                    "step": self.step,
+                    "loss": out["loss"],
+                    "ppl": math.exp(min(out["loss"], 50.0)),
+                    "lr": out["lr"],
+                    "grad_norm": out["grad_norm"],
+                    "tokens_per_s": tps,
+                    "mfu": mfu,
+                    "tokens_seen": self.tokens_seen,
+                    "time": time.time(),
+                }
+                self.last.update(tokens_per_s=tps, mfu=mfu)
+                self.log_step(record, eta_s=run_rate * (t.total_steps - self.step))
+                window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
+            t_aside = time.perf_counter()
+            if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
+                self.eval()
+            if self.step % cfg.checkpoint.interval_steps == 0 or self.step == t.total_steps:
+                self.save()
+            paused += time.perf_counter() - t_aside
+            self.heartbeat()
+        return EXIT_OK
+
+    def close(self) -> None:
+        loader = getattr(self, "loader", None)
+        if loader is not None:
+            loader.close()
+        if self.tracker is not None:
+            with contextlib.suppress(Exception):
+                self.tracker.finish()
+
+
+def run(
+    config: str | Path,
+    run_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    resume: str = "latest",
+    force: bool = False,
+    lr_scale: float = 1.0,
+) -> int:
+    """Train and return the worker's exit code (never raises for the expected failures)."""
+    trainer = None
+    try:
+        cfg = load_config(config, overrides)
+        if not (lr_scale > 0):
+            raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
+        trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale)
+        signal.signal(signal.SIGTERM, trainer._on_signal)
+        signal.signal(signal.SIGINT, trainer._on_signal)
+        trainer.setup()
+        if trainer.stop_signal is not None:
+            raise StopRequested
+        code = trainer.train()
+        trainer.set_phase("finished")
+        print(f"finished: {trainer.step} steps, {trainer.tokens_seen:,} tokens", flush=True)
+        return code
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except StopRequested:
+        trainer.set_phase("stopping")
+        if trainer.cfg.checkpoint.save_on_exit and trainer.last_checkpoint_step != trainer.step:
+            trainer.save()
+        trainer.set_phase("stopped")
+        print(f"stopped at step {trainer.step} with a saved checkpoint", flush=True)
+        return EXIT_STOPPED
+    except NaNExcursion as e:
+        print(f"error: NaN excursion not healed: {e}", file=sys.stderr, flush=True)
+        trainer.set_phase("failed")
+        return EXIT_NAN
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runner.train", description=__doc__)
+    p.add_argument("config", help="YAML recipe (e.g. configs/demo_cpu.yaml)")
+    p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", default="latest", help="latest (default) | none | STEP")
+    p.add_argument("--force", action="store_true", help="accept a changed config / restart")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="multiply the LR schedule")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return run(a.config, a.run_dir, a.overrides, a.resume, a.force, a.lr_scale)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
