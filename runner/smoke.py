@@ -1,0 +1,304 @@
+"""Preflight smoke test (`m3run smoke CONFIG`): numbered checks, each proving one layer.
+
+The supervisor runs it before the first worker starts; a failing check stops the launch with
+that check's message. On CPU the checks that need a GPU are reported as skipped, with why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
+from model import Mamba3LM
+from model.lm import param_groups
+
+from . import checkpoint as ckpt
+from .config import ConfigError, RunConfig
+from .data import BatchLoader, DataError, check_vocab, load_manifest
+
+
+class CheckFailed(Exception):
+    pass
+
+
+class CheckSkipped(Exception):
+    pass
+
+
+@dataclass
+class Check:
+    number: int
+    name: str
+    status: str  # "ok" | "failed" | "skipped"
+    message: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SmokeResult:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != "failed" for c in self.checks)
+
+    @property
+    def failed_check_message(self) -> str | None:
+        for c in self.checks:
+            if c.status == "failed":
+                return f"check {c.number} ({c.name}) failed: {c.message}"
+        return None
+
+
+class _Smoke:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.train.resolve_device(torch.cuda.is_available()))
+        precision = cfg.train.resolve_precision(self.device.type)
+        self.amp = torch.bfloat16 if precision == "bf16" else None
+        self.model: Mamba3LM | None = None
+        self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.backend: str | None = None
+
+    def autocast(self):
+        if self.amp is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.amp)
+
+    # 1
+    def cuda_bf16(self) -> str:
+        if self.device.type != "cuda":
+            raise CheckSkipped("no CUDA device: the run trains on CPU in fp32")
+        name = torch.cuda.get_device_name(self.device)
+        if not torch.cuda.is_bf16_supported():
+            raise CheckFailed(f"{name} does not support bf16; set train.precision=fp32")
+        a = torch.randn(256, 256, device=self.device)
+        b = torch.randn(256, 256, device=self.device)
+        ref = a @ b
+        got = (a.bfloat16() @ b.bfloat16()).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            raise CheckFailed(f"bf16 matmul on {name} is off by {err:.2e} relative")
+        return f"{name}, CUDA {torch.version.cuda}, bf16 matmul rel. error {err:.1e}"
+
+    # 2
+    def data(self) -> str:
+        c = self.cfg
+        m = load_manifest(c.data.train_path)
+        check_vocab(m, c.model.vocab_size)
+        loader = BatchLoader(c.data.train_path, c.data.seq_len, c.train.micro_batch_size,
+                             c.train.seed, prefetch=0)  # fmt: skip
+        try:
+            self.batch = loader.next_batch()
+        finally:
+            loader.close()
+        msg = f"train: {m['total_tokens']:,} tokens, vocab {m['vocab_size']}"
+        if c.data.val_path:
+            v = load_manifest(c.data.val_path)
+            msg += f"; val: {v['total_tokens']:,} tokens"
+        return msg
+
+    # 3
+    def forward_backward(self) -> str:
+        if self.batch is None:
+            raise CheckSkipped("no batch: the data check failed")
+        torch.manual_seed(self.cfg.train.seed)
+        self.model = Mamba3LM(self.cfg.model).to(self.device)
+        x, y = (t.to(self.device) for t in self.batch)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self.autocast():
+            loss = self.model(x, y)
+        loss.backward()
+        grads = [p.grad for p in self.model.parameters()]
+        if not math.isfinite(loss.item()):
+            raise CheckFailed(f"the loss of a fresh model is {loss.item()}")
+        missing = sum(g is None for g in grads)
+        if missing:
+            raise CheckFailed(f"{missing} parameters got no gradient")
+        bad = sum(not torch.isfinite(g).all() for g in grads)
+        if bad:
+            raise CheckFailed(f"{bad} parameters got non-finite gradients")
+        self.model.zero_grad(set_to_none=True)
+        expect = math.log(self.cfg.model.vocab_size)
+        return f"loss {loss.item():.3f} (ln V = {expect:.3f}), {self.model.num_params():,} params"
+
+    # 4
+    def backend_every_block(self) -> str:
+        if self.model is None or self.batch is None:
+            raise CheckSkipped("no model: the forward/backward check failed")
+        try:
+            self.backend = resolve_backend(self.cfg.model.scan_backend, self.device)
+        except BackendUnavailableError as e:
+            raise CheckFailed(str(e)) from e
+        outputs: list[tuple[int, bool]] = []
+
+        def record(mod, inp, out):
+            outputs.append((mod.layer_idx, bool(torch.isfinite(out).all())))
+
+        hooks = [blk.mixer.register_forward_hook(record) for blk in self.model.layers]
+        try:
+            with torch.no_grad(), self.autocast():
+                self.model(self.batch[0][:1].to(self.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        ran = sorted(i for i, _ in outputs)
+        if ran != list(range(self.cfg.model.n_layers)):
+            raise CheckFailed(f"mixers that ran: {ran}, expected all {self.cfg.model.n_layers}")
+        bad = [i for i, ok in outputs if not ok]
+        if bad:
+            raise CheckFailed(f"non-finite mixer output in block(s) {bad} with {self.backend}")
+        return f"backend {self.backend} ran in all {len(ran)} blocks"
+
+    # 5
+    def parity(self) -> str:
+        m = self.cfg.model
+        backend = self.backend or resolve_backend(m.scan_backend, self.device)
+        g = torch.Generator().manual_seed(0)
+        b, t, h, p, n, s = (
+            2,
+            2 * m.chunk_size + 7,
+            min(m.nheads, 4),
+            m.headdim,
+            m.d_state,
+            m.n_angles,
+        )
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+        def r(*shape, dt=torch.float32):
+            return torch.randn(*shape, generator=g).to(self.device, dt)
+
+        dt_ = torch.nn.functional.softplus(r(b, h, t) - 2)
+        args = dict(
+            q=r(b, t, 1, n, dt=dtype), k=r(b, t, 1, n, dt=dtype), v=r(b, t, h, p, dt=dtype),
+            adt=-torch.rand(b, h, t, generator=g).to(self.device) * dt_, dt=dt_,
+            trap=r(b, h, t), q_bias=r(h, n), k_bias=r(h, n), angles=r(b, t, h, s),
+            d=r(h), z=r(b, t, h, p, dt=dtype),
+        )  # fmt: skip
+        if backend == "pytorch":
+            # The reference is what runs: check it against the token-by-token ground truth.
+            from kernels.mamba3 import mamba3_siso_recurrent
+
+            ref = mamba3_siso_recurrent(**args).float()
+            other, label = (
+                mamba3_siso(**args, chunk_size=m.chunk_size, backend="pytorch"),
+                "recurrent",
+            )
+        else:
+            ref = mamba3_siso(**args, chunk_size=m.chunk_size, backend="pytorch").float()
+            other, label = mamba3_siso(**args, chunk_size=m.chunk_size, backend=backend), "pytorch"
+        err = ((other.float() - ref).norm() / ref.norm()).item()
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        if not err <= tol:
+            raise CheckFailed(f"{backend} vs {label} reference: rel. error {err:.2e} > {tol:g}")
+        return f"{backend} vs {label} reference: rel. error {err:.1e} (≤ {tol:g})"
+
+    # 6
+    def optimizer_step(self) -> str:
+        if self.model is None or self.batch is None:
+            raise CheckSkipped("no model: the forward/backward check failed")
+        model = copy.deepcopy(self.model)
+        t = self.cfg.train
+        opt = torch.optim.AdamW(
+            param_groups(model, t.weight_decay),
+            lr=1e-3,
+            betas=(t.beta1, t.beta2),
+            fused=self.device.type == "cuda",
+        )
+        x, y = (v.to(self.device) for v in self.batch)
+        with self.autocast():
+            before = model(x, y)
+        before.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad(), self.autocast():
+            after = model(x, y)
+        if not after.item() < before.item():
+            raise CheckFailed(f"loss did not fall: {before.item():.4f} → {after.item():.4f}")
+        del model, opt
+        return f"loss {before.item():.4f} → {after.item():.4f} after one AdamW step"
+
+    # 7
+    def checkpoint_round_trip(self) -> str:
+        if self.model is None:
+            raise CheckSkipped("no model: the forward/backward check failed")
+        with tempfile.TemporaryDirectory(prefix="m3run-smoke-") as tmp:
+            state = {k: v.detach() for k, v in self.model.state_dict().items()}
+            path = ckpt.save_checkpoint(tmp, 0, state, {"step": 0}, {"smoke": True})
+            ok, reason = ckpt.verify_checkpoint(path)
+            if not ok:
+                raise CheckFailed(f"a checkpoint just written does not verify: {reason}")
+            loaded, _, _ = ckpt.load_checkpoint(path)
+            diff = [k for k in state if not torch.equal(loaded[k], state[k].cpu())]
+            if diff:
+                raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")
+            size = sum(f.stat().st_size for f in path.iterdir())
+        return f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact"
+
+    # 8
+    def memory(self) -> str:
+        if self.device.type != "cuda":
+            raise CheckSkipped("no CUDA device: GPU memory is not a limit on CPU")
+        if self.model is None:
+            raise CheckSkipped("no model: the forward/backward check failed")
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        n = self.model.num_params()
+        # AdamW keeps two fp32 moments per parameter on top of the weights and gradients.
+        need = peak + 8 * n
+        frac = need / total
+        msg = (f"one micro-batch peaks at {peak / 2**30:.1f} GiB; with AdamW moments "
+               f"≈{need / 2**30:.1f} GiB of {total / 2**30:.0f} GiB ({frac:.0%})")  # fmt: skip
+        if frac > 0.95:
+            raise CheckFailed(msg + ": lower train.micro_batch_size or enable "
+                              "train.activation_checkpointing")  # fmt: skip
+        return msg
+
+
+CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [
+    ("CUDA and bf16", _Smoke.cuda_bf16),
+    ("data readable", _Smoke.data),
+    ("model forward/backward", _Smoke.forward_backward),
+    ("scan backend on every block", _Smoke.backend_every_block),
+    ("scan parity with the reference", _Smoke.parity),
+    ("one optimizer step lowers the loss", _Smoke.optimizer_step),
+    ("checkpoint save/verify/load", _Smoke.checkpoint_round_trip),
+    ("peak memory of one micro-batch", _Smoke.memory),
+]
+
+
+def run_smoke(cfg: RunConfig, run_dir: str | Path | None = None, echo=print) -> SmokeResult:
+    """Run every check in order (later checks are skipped when one they need failed)."""
+    result = SmokeResult()
+    try:
+        smoke = _Smoke(cfg)
+    except ConfigError as e:
+        result.checks.append(Check(1, CHECKS[0][0], "failed", str(e), 0.0))
+        return result
+    for number, (name, fn) in enumerate(CHECKS, start=1):
+        t0 = time.perf_counter()
+        try:
+            status, message = "ok", fn(smoke)
+        except CheckSkipped as e:
+            status, message = "skipped", str(e)
+        except (CheckFailed, DataError, ConfigError, ckpt.CheckpointError) as e:
+            status, message = "failed", str(e)
+        except Exception as e:  # any other error is a failed check, never a crashed launch
+            status, message = "failed", f"{type(e).__name__}: {e}"
+        check = Check(number, name, status, message, time.perf_counter() - t0)
+        result.checks.append(check)
+        if echo is not None:
+            echo(f"  [{number}/{len(CHECKS)}] {name:<36} {status.upper():<7} {message}")
+    return result
