@@ -323,6 +323,51 @@ class SupervisorConfig(_Section):
         return self
 
 
+class DistributedConfig(_Section):
+    """More than one worker process: the supervisor launches the worker through torchrun."""
+
+    nproc_per_node: int = Field(
+        1, ge=1, description="Worker processes on this host (one per GPU); 1 = no torchrun."
+    )
+    nnodes: int = Field(1, ge=1, description="Hosts in the job (each runs its own supervisor).")
+    node_rank: int = Field(0, ge=0, description="This host's rank, 0 … nnodes-1.")
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the c10d rendezvous (node 0); required when nnodes > 1.",
+    )
+    rdzv_id: str | None = Field(
+        None, description="Job id shared by all hosts of a job (default: the run dir's name)."
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Collective timeout; a rank that stalls longer is an error."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _check_multinode(self) -> DistributedConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"distributed.node_rank must be < distributed.nnodes = {self.nnodes}, got "
+                f"{self.node_rank} (fix: number hosts 0 … nnodes-1)"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"distributed.rdzv_endpoint is required when distributed.nnodes = {self.nnodes} "
+                "(fix: set it to node 0's host:port, e.g. 10.0.0.1:29500)"
+            )
+        if self.rdzv_endpoint is not None and not re.fullmatch(r"[^\s:]+:\d+", self.rdzv_endpoint):
+            raise ValueError(
+                f"distributed.rdzv_endpoint must be host:port, got {self.rdzv_endpoint!r}"
+            )
+        return self
+
+
 class RunConfig(_Section):
     """Everything one run needs; its resolved form is frozen into runs/<name>/config.yaml."""
 
@@ -339,6 +384,9 @@ class RunConfig(_Section):
     log: LogConfig = Field(default_factory=LogConfig, description="Metrics and heartbeat cadence.")
     supervisor: SupervisorConfig = Field(
         default_factory=SupervisorConfig, description="Restart, hang, stop and preemption policy."
+    )
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Processes and hosts (torchrun, DDP)."
     )
 
     # The preset the model section was expanded from (None: explicit fields). Kept so the dump

@@ -25,6 +25,14 @@ EXIT_SOFTWARE = 70  # restart budget or no-progress limit spent (EX_SOFTWARE)
 CONFIG_FILE = "config.yaml"
 STATE_FILE = "state.json"
 HEARTBEAT_FILE = "heartbeat.json"
+
+
+def heartbeat_file(local_rank: int = 0) -> str:
+    """Each worker process of a host heartbeats: local rank 0 into heartbeat.json (what status
+    shows), the others into heartbeat.local<r>.json (watched for hangs)."""
+    return HEARTBEAT_FILE if local_rank == 0 else f"heartbeat.local{local_rank}.json"
+
+
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "supervisor.lock"
@@ -33,8 +41,8 @@ WORKER_LOG = "worker.log"
 SUPERVISOR_LOG = "supervisor.log"
 
 # Test-only fault injection read by the worker (never set in production):
-#   M3RUN_FAULT="nan_at_step=7"     the loss of optimizer step 7 becomes NaN (every micro-batch);
-#                                   "7x3": the first 3 attempts at step ≥ 7 (a skipped step is retried)
+#   M3RUN_FAULT="nan_at_step=7"     the loss of optimizer step 7 becomes NaN (all micro-batches);
+#                                   "7x3": the first 3 attempts at step ≥ 7 (skipped steps retry)
 #   M3RUN_FAULT="nan_from_step=7"   every step from 7 on is NaN (rollback cannot heal → exit 76)
 #   M3RUN_FAULT="hang_at_step=7"    the worker sleeps forever before step 7
 #   M3RUN_FAULT="crash_at_step=7"   the worker exits 1 before step 7

@@ -36,10 +36,10 @@ from .protocol import (
     EXIT_OK,
     EXIT_STOPPED,
     FAULT_ENV,
-    HEARTBEAT_FILE,
     METRICS_FILE,
     append_jsonl,
     atomic_write_json,
+    heartbeat_file,
 )
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
@@ -52,6 +52,71 @@ class NaNExcursion(RuntimeError):
 
 class StopRequested(Exception):
     pass
+
+
+class Dist:
+    """This process's place in a torchrun job (world size 1 without torchrun).
+
+    Every host's local rank 0 writes that host's run dir (checkpoints, metrics, heartbeat.json),
+    so no shared filesystem is needed: DDP keeps every replica identical.
+    """
+
+    def __init__(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+
+    @property
+    def writer(self) -> bool:
+        return self.local_rank == 0
+
+    def init(self, cfg: RunConfig, device_type: str) -> None:
+        if not self.enabled:
+            return
+        import datetime
+
+        import torch.distributed as td
+
+        backend = cfg.distributed.backend
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        if backend == "nccl" and device_type != "cuda":
+            raise ConfigError(
+                "distributed.backend=nccl needs CUDA; set it to gloo (or auto) on CPU"
+            )
+        td.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
+        )
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            import torch.distributed as td
+
+            td.all_reduce(t, op=td.ReduceOp.SUM)
+        return t
+
+    def all_min(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        import torch.distributed as td
+
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        td.all_reduce(t, op=td.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as td
+
+            td.barrier()
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.destroy_process_group()
 
 
 # -- schedule ----------------------------------------------------------------------------------
@@ -175,14 +240,19 @@ class Trainer:
         self.step_time_s: float | None = None
         self.last: dict = {}
         self.tracker = None
+        self.dist = Dist()
 
     # ---- setup ----
 
     def setup(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._freeze_config()
+        if self.dist.writer:
+            self._freeze_config()
         self.device = self._resolve_device()
+        self.dist._device = self.device
+        self.dist.init(cfg, self.device.type)
+        self.local_accum = self._local_accumulation()
         try:
             self.scan_backend = resolve_backend(cfg.model.scan_backend, self.device)
         except BackendUnavailableError as e:
@@ -211,6 +281,8 @@ class Trainer:
             cfg.data.seq_len,
             t.micro_batch_size,
             t.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
             prefetch=cfg.data.prefetch,
             pin_memory=self.device.type == "cuda",
         )
@@ -222,11 +294,17 @@ class Trainer:
             )
         self.resumed_from = self._resume()
         self.lr_scale *= self.lr_scale_arg
-        self.step_model = self.model
+        self.ddp_model = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp_model = DistributedDataParallel(self.model, device_ids=ids)
+        self.step_model = self.ddp_model
         if t.compile:
             mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
             self.set_phase("compiling")
-            self.step_model = torch.compile(self.model, mode=mode)
+            self.step_model = torch.compile(self.ddp_model, mode=mode)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.peak_flops = self._peak_flops()
         self._start_tracker()
@@ -248,7 +326,31 @@ class Trainer:
         os.replace(tmp, path)
 
     def _resolve_device(self) -> torch.device:
-        return torch.device(self.cfg.train.resolve_device(torch.cuda.is_available()))
+        kind = self.cfg.train.resolve_device(torch.cuda.is_available())
+        if kind == "cuda" and self.dist.enabled:
+            torch.cuda.set_device(self.dist.local_rank)
+            return torch.device("cuda", self.dist.local_rank)
+        return torch.device(kind)
+
+    def _local_accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step. The global batch (micro_batch_size ×
+        grad_accum_steps sequences) is the same for every world size; accumulation adjusts."""
+        accum, world = self.cfg.train.grad_accum_steps, self.dist.world_size
+        if accum % world:
+            raise ConfigError(
+                f"train.grad_accum_steps={accum} sequences-per-step blocks cannot be split over "
+                f"{world} processes. Fix: make grad_accum_steps a multiple of the world size "
+                f"(e.g. {world * max(1, accum // world)}), or lower micro_batch_size and raise "
+                "grad_accum_steps to keep the same global batch."
+            )
+        if world > 1 and self.dist.rank == 0:
+            print(
+                f"global batch {self.cfg.train.micro_batch_size * accum} sequences = "
+                f"{self.cfg.train.micro_batch_size} × {accum // world} accumulation × {world} "
+                "processes",
+                flush=True,
+            )
+        return accum // world
 
     def _resolve_precision(self):
         precision = self.cfg.train.resolve_precision(self.device.type)
@@ -324,6 +426,10 @@ class Trainer:
             return None
         if resume == "latest":
             info = ckpt.latest_complete(self.run_dir)
+            if self.dist.enabled:
+                # Every host resumes from the same step: the newest one all of them hold.
+                agreed = self.dist.all_min(info.step if info is not None else -1)
+                info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
             if info is None:
                 torn = [i for i in infos if not i.complete]
                 if torn:
@@ -341,11 +447,12 @@ class Trainer:
             except ckpt.CheckpointError as e:
                 raise ConfigError(str(e)) from e
         self.load(info.path)
-        print(f"resumed from {info.path} (step {self.step})", flush=True)
-        append_jsonl(
-            self.run_dir / METRICS_FILE,
-            {"kind": "resume", "step": self.step, "time": time.time(), "pid": os.getpid()},
-        )
+        if self.dist.writer:
+            print(f"resumed from {info.path} (step {self.step})", flush=True)
+            append_jsonl(
+                self.run_dir / METRICS_FILE,
+                {"kind": "resume", "step": self.step, "time": time.time(), "pid": os.getpid()},
+            )
         return self.step
 
     def load(self, path: Path) -> None:
@@ -400,13 +507,19 @@ class Trainer:
         }
         if self.faults.slow_save:
             time.sleep(self.faults.slow_save)
-        path = ckpt.save_checkpoint(self.run_dir, self.step, self.model.state_dict(), state, meta)
-        protect = {self.resumed_from} if self.resumed_from is not None else set()
-        ckpt.apply_retention(self.run_dir, self.cfg.checkpoint.keep_last, protect=protect)
+        path = None
+        if self.dist.writer:
+            path = ckpt.save_checkpoint(
+                self.run_dir, self.step, self.model.state_dict(), state, meta
+            )
+            protect = {self.resumed_from} if self.resumed_from is not None else set()
+            ckpt.apply_retention(self.run_dir, self.cfg.checkpoint.keep_last, protect=protect)
+        self.dist.barrier()  # no rank runs ahead of a checkpoint that is not on disk yet
         self.checkpoint_time_s = time.perf_counter() - t0
         self.last_checkpoint_step = self.step
         self.set_phase(prev_phase)
-        print(f"saved checkpoint step {self.step} in {self.checkpoint_time_s:.2f}s", flush=True)
+        if self.dist.writer:
+            print(f"saved checkpoint step {self.step} in {self.checkpoint_time_s:.2f}s", flush=True)
         return path
 
     # ---- heartbeat / metrics ----
@@ -425,7 +538,7 @@ class Trainer:
         if dev is not None and dev.type == "cuda":
             vram = torch.cuda.max_memory_allocated(dev)
         atomic_write_json(
-            self.run_dir / HEARTBEAT_FILE,
+            self.run_dir / heartbeat_file(self.dist.local_rank),
             {
                 "pid": os.getpid(),
                 "phase": self.phase,
@@ -445,6 +558,8 @@ class Trainer:
         )
 
     def log_step(self, record: dict, eta_s: float) -> None:
+        if not self.dist.writer:
+            return
         append_jsonl(self.run_dir / METRICS_FILE, record)
         self._track(record)
         mem = ""
@@ -475,7 +590,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.loader.windows_consumed in self.skip_positions:
-            self.loader.skip(t.grad_accum_steps)
+            self.loader.skip(self.local_accum)
             print(
                 f"skipping the data window at position {self.loader.windows_consumed} (NaN earlier)"
             )
@@ -487,19 +602,22 @@ class Trainer:
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
-        for _ in range(t.grad_accum_steps):
+        for i in range(self.local_accum):
             x, y = self.loader.next_batch()
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            with autocast:
+            # DDP all-reduces gradients only on the last micro-batch of the window.
+            sync = i == self.local_accum - 1 or not self.dist.enabled
+            with autocast, contextlib.nullcontext() if sync else self.ddp_model.no_sync():
                 loss = self.step_model(x, y)
-            if poison:
-                loss = loss * float("nan")
-            # Divide before backward so the summed gradients are those of the mean loss.
-            (loss / t.grad_accum_steps).backward()
+                if poison:
+                    loss = loss * float("nan")
+                # Divide before backward so the summed gradients are those of the mean loss.
+                (loss / self.local_accum).backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-        mean_loss = (loss_sum / t.grad_accum_steps).item()
+        # The logged loss is the mean over every micro-batch of the step, on every rank.
+        mean_loss = (self.dist.all_sum(loss_sum) / t.grad_accum_steps).item()
         gnorm = grad_norm.item()
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -520,6 +638,9 @@ class Trainer:
                 f"loss/gradients at step {self.step + 1}"
             )
         info = ckpt.latest_complete(self.run_dir)
+        if self.dist.enabled:
+            agreed = self.dist.all_min(info.step if info is not None else -1)
+            info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
         if info is None:
             raise NaNExcursion(
                 f"non-finite loss/gradients at step {self.step + 1} and no complete checkpoint "
@@ -531,6 +652,8 @@ class Trainer:
         self.load(info.path)
         # What the rollback decided outlives the checkpoint it restored.
         self.skip_positions, self.nan_rollbacks, self.lr_scale = skip, rollbacks, scale
+        if not self.dist.writer:
+            return
         append_jsonl(
             self.run_dir / METRICS_FILE,
             {"kind": "rollback", "step": self.step, "lr_scale": scale, "time": time.time(),
@@ -543,7 +666,7 @@ class Trainer:
         )
 
     def eval(self) -> float | None:
-        if self.val_batches is None:
+        if self.val_batches is None or not self.dist.writer:
             return None
         self.set_phase("eval")
         self.model.eval()
@@ -574,20 +697,22 @@ class Trainer:
         window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
         run_t0, run_step0 = time.perf_counter(), self.step
         while self.step < t.total_steps:
-            if self.stop_signal is not None:
+            if self._stop_agreed():
                 raise StopRequested
             out = self.train_step()
             if out.get("bad"):
                 bad_streak.append(out["start_pos"])
-                print(
-                    f"step {self.step + 1}: non-finite loss {out['loss']} / grad norm "
-                    f"{out['grad_norm']}: step skipped ({len(bad_streak)} in a row)",
-                    flush=True,
-                )
-                append_jsonl(
-                    self.run_dir / METRICS_FILE,
-                    {"kind": "nonfinite", "step": self.step + 1, "time": time.time()},
-                )
+                if self.dist.writer:
+                    print(
+                        f"step {self.step + 1}: non-finite loss {out['loss']} / grad norm "
+                        f"{out['grad_norm']}: step skipped ({len(bad_streak)} in a row)",
+                        flush=True,
+                    )
+                if self.dist.writer:
+                    append_jsonl(
+                        self.run_dir / METRICS_FILE,
+                        {"kind": "nonfinite", "step": self.step + 1, "time": time.time()},
+                    )
                 if len(bad_streak) >= t.nan_max_consecutive:
                     self.rollback(bad_streak)
                     bad_streak = []
@@ -628,7 +753,15 @@ class Trainer:
             self.heartbeat()
         return EXIT_OK
 
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step boundary: a signal seen by any rank stops all."""
+        if not self.dist.enabled:
+            return self.stop_signal is not None
+        flag = torch.tensor([0 if self.stop_signal is None else 1], device=self.device)
+        return bool(self.dist.all_sum(flag).item())
+
     def close(self) -> None:
+        self.dist.close()
         loader = getattr(self, "loader", None)
         if loader is not None:
             loader.close()
@@ -659,7 +792,8 @@ def run(
             raise StopRequested
         code = trainer.train()
         trainer.set_phase("finished")
-        print(f"finished: {trainer.step} steps, {trainer.tokens_seen:,} tokens", flush=True)
+        if trainer.dist.writer:
+            print(f"finished: {trainer.step} steps, {trainer.tokens_seen:,} tokens", flush=True)
         return code
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,44 @@
+"""The worker under torchrun with gloo on CPU: two processes reproduce the single-process loss
+curve at the same global batch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import DEMO_CONFIG, tiny_run_overrides, worker_env
+from test_train import run_worker, train_losses
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--max-restarts", "0", "-m", "runner.train", str(DEMO_CONFIG),
+           "--run-dir", str(run_dir)]  # fmt: skip
+    for o in overrides:
+        cmd += ["--set", o]
+    return subprocess.run(cmd, env=env or worker_env(OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def test_two_processes_reproduce_the_single_process_curve(corpus, tmp_path):
+    ov = tiny_run_overrides(corpus, **{"train.total_steps": 10, "train.grad_accum_steps": 2})
+    one = run_worker(tmp_path / "one", ov)
+    assert one.returncode == 0, one.stderr
+    two = torchrun_worker(tmp_path / "two", ov)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "global batch 8 sequences = 4 × 1 accumulation × 2 processes" in two.stdout
+    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    assert (tmp_path / "two" / "heartbeat.local1.json").exists()
+
+
+def test_world_size_that_cannot_keep_the_global_batch_is_a_config_error(corpus, tmp_path):
+    ov = tiny_run_overrides(corpus, **{"train.total_steps": 2, "train.grad_accum_steps": 3})
+    r = torchrun_worker(tmp_path / "run", ov)
+    assert r.returncode != 0
+    assert "grad_accum_steps=3" in r.stdout + r.stderr
