@@ -28,11 +28,30 @@ class BackendUnavailableError(RuntimeError):
 
 
 def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the Triton scan cannot run on ``device`` (None when it can)."""
-    return (
-        "the Triton Mamba-3 scan is not built into this version of m3run; "
-        'use backend="pytorch" (model.scan_backend=pytorch)'
-    )
+    """Why the Triton scan cannot run on ``device`` (None when it can).
+
+    Shapes and dtypes are a separate question, answered by :func:`triton_shape_error`.
+    """
+    hint = '; use backend="pytorch" (model.scan_backend=pytorch)'
+    if device is not None and torch.device(device).type != "cuda":
+        return f"it needs a CUDA device, the inputs are on {torch.device(device).type}{hint}"
+    if not torch.cuda.is_available():
+        return f"CUDA is not available{hint}"
+    from .triton_siso import TRITON_IMPORT_ERROR  # imports triton, if it is there
+
+    if TRITON_IMPORT_ERROR is not None:
+        return f"{TRITON_IMPORT_ERROR}{hint}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"it needs compute capability 8.0 or newer (bf16 dots), got {major}.{minor}{hint}"
+    return None
+
+
+def triton_shape_error(v: Tensor, n: int, chunk_size: int) -> str | None:
+    """Why the Triton kernel cannot take these shapes/dtypes (its tile caps), None when it can."""
+    from .triton_siso import shape_error
+
+    return shape_error(v, n, chunk_size)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -158,17 +177,34 @@ def mamba3_siso(
         angles: (b, t, h, s) float32, pre-tanh θ̃; 2s ≤ n.
         d: (h,) skip weight, optional.
         initial_state: (angle_state (b,h,s), ssm_state (b,h,p,n), k_state (b,h,n), v_state (b,h,p)).
-        backend: "pytorch" (chunked reference), "triton", or "auto".
+        backend: "pytorch" (chunked reference), "triton" (CUDA; raises BackendUnavailableError
+            where it cannot run and ValueError beyond its tile caps), or "auto" (triton on CUDA
+            when the shapes fit its caps, else pytorch; the choice is logged once).
 
     Returns ``y`` (b, t, h, p) in v's dtype; with ``return_final_state`` also the final state
     (same 4-tuple, in the compute dtype), so scanning [:t1] then [t1:] with the carried state
     equals scanning the whole. Computes in float64 for float64 ``v``, else accumulates in fp32.
     """
-    _, _, _, h, _, _, _ = validate(
+    _, _, _, h, _, n, _ = validate(
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state
     )
     chosen = resolve_backend(backend, v.device)
-    assert chosen == "pytorch", chosen  # resolve_backend refuses triton until it is built
+    if chosen == "triton":
+        reason = triton_shape_error(v, n, chunk_size)
+        if reason is not None and backend == "triton":
+            raise ValueError(reason)
+        if reason is None:
+            from .triton_siso import mamba3_siso_triton
+
+            return mamba3_siso_triton(
+                q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
+                chunk_size=chunk_size, initial_state=initial_state,
+                return_final_state=return_final_state,
+            )  # fmt: skip
+        key = f"{v.device.type}:pytorch:{reason}"
+        if key not in _auto_logged:
+            _auto_logged.add(key)
+            log.info("mamba3 scan backend auto -> pytorch for these inputs (%s)", reason)
     args, state = _prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, initial_state, h)
     y, final = siso_chunked(*args, state, chunk_size)
     y = y.to(v.dtype)

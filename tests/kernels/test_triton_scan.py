@@ -1,0 +1,249 @@
+"""The Triton Mamba-3 SISO scan (kernels/mamba3/triton_siso.py) against the fp32 chunked
+reference: outputs, final states and every input gradient, by relative error ‖a − b‖/‖b‖.
+
+The kernel takes bf16 q/k/v/z; the reference runs on fp32 copies of the same bf16 values, so
+the errors measured are the kernel's own (bf16 dot operands, fp32 accumulation). CUDA only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.mamba3 import mamba3_siso
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton scan needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+# Bounds on ‖triton − reference‖/‖reference‖ (bf16 dot operands: errors of a few 1e-3 expected).
+Y_TOL = 1e-2  # y
+STATE_TOL = 1e-2  # ssm_state (G_T) and k_state
+ANGLE_TOL = 1e-5  # angle_state, compared modulo 2π (fp32 cumsum in both)
+GRAD_TOL = 2e-2  # every input gradient except the three below
+# adt, dt: sequence-long reverse cumsums of q̄·dq̄ − k̄·dk̄ and of the angle gradient.
+DECAY_GRAD_TOL = 5e-2
+# angles: the output depends only on angle differences, so Σ_t ∂L/∂Φ_t = 0 exactly and the
+# reverse cumsum of bf16-rounded terms carries an absolute error that grows like √t against
+# values that shrink towards the start; measured 3.7e-2 at t = 2048 (6e-3 at t = 64).
+ANGLE_GRAD_TOL = 8e-2
+SPLIT_TOL = 1e-2  # scan of [:t1] then [t1:] with the carried state vs the whole scan
+
+
+def make_inputs(b=2, t=100, h=4, p=64, n=64, s=16, g=1, with_d=True, with_z=True, seed=0):
+    """Leaf tensors on CUDA: bf16 q/k/v/z, fp32 scalars/biases, as the mixer hands them over."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    dt = F.softplus(r(b, h, t) - 2.0)  # Δ around 0.1, like a trained dt_bias
+    adt = torch.clamp(-F.softplus(r(b, h, t)), max=-1e-4) * dt
+    x = dict(
+        q=F.rms_norm(r(b, t, g, n), (n,)).to(BF16),
+        k=F.rms_norm(r(b, t, g, n), (n,)).to(BF16),
+        v=r(b, t, h, p).to(BF16),
+        adt=adt, dt=dt, trap=r(b, h, t),
+        q_bias=1.0 + 0.1 * r(h, n), k_bias=1.0 + 0.1 * r(h, n),
+        angles=2.0 * r(b, t, h, s),
+        d=r(h) if with_d else None,
+        z=r(b, t, h, p).to(BF16) if with_z else None,
+    )  # fmt: skip
+    return {key: None if val is None else val.to(DEV) for key, val in x.items()}
+
+
+def make_state(b, h, p, n, s, seed=1):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    st = (
+        2 * math.pi * torch.rand(b, h, s, generator=gen),
+        torch.randn(b, h, p, n, generator=gen),
+        torch.randn(b, h, n, generator=gen),
+        torch.randn(b, h, p, generator=gen),
+    )
+    return tuple(x.to(DEV) for x in st)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def angle_err(a, b) -> float:
+    """Relative error of angles modulo 2π (a wrap at 0/2π is no error)."""
+    d = torch.remainder(a.double() - b.double() + math.pi, 2 * math.pi) - math.pi
+    return (d.norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _run(x, state, backend, chunk_size, gy, g_state, fp32):
+    """One scan with leaves requiring grad; returns y, final state, {input: grad}."""
+    leaves = {
+        key: val.detach().float().requires_grad_() if fp32 else val.detach().requires_grad_()
+        for key, val in x.items()
+        if val is not None
+    }
+    st = None if state is None else [s.detach().clone().requires_grad_() for s in state]
+    args = {key: leaves.get(key) for key in x}
+    y, final = mamba3_siso(
+        **args, chunk_size=chunk_size, initial_state=st, return_final_state=True, backend=backend
+    )
+    loss = (y.float() * gy).sum() + sum((f * g).sum() for f, g in zip(final, g_state, strict=True))
+    names = list(leaves) + ([f"state{i}" for i in range(4)] if st else [])
+    tensors = list(leaves.values()) + (st or [])
+    grads = dict(zip(names, torch.autograd.grad(loss, tensors), strict=True))
+    return y.detach(), [f.detach() for f in final], grads
+
+
+def errors(x, chunk_size=64, state=None, seed=7) -> dict[str, float]:
+    """Relative errors of the Triton scan against the fp32 reference, by output and gradient."""
+    b, t, h, p = x["v"].shape
+    n, s = x["k"].shape[3], x["angles"].shape[3]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gy = torch.randn(b, t, h, p, generator=gen).to(DEV)
+    g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
+               ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))]  # fmt: skip
+    y, fin, grads = _run(x, state, "triton", chunk_size, gy, g_state, fp32=False)
+    y_r, fin_r, grads_r = _run(x, state, "pytorch", chunk_size, gy, g_state, fp32=True)
+    out = {
+        "y": rel(y, y_r),
+        "angle_state": angle_err(fin[0], fin_r[0]),
+        "ssm_state": rel(fin[1], fin_r[1]),
+        "k_state": rel(fin[2], fin_r[2]),
+        "v_state": rel(fin[3], fin_r[3]),
+    }
+    for name, gr in grads_r.items():
+        out[f"d{name}"] = rel(grads[name], gr)
+    return out
+
+
+def check(err: dict[str, float]) -> None:
+    bounds = {"y": Y_TOL, "angle_state": ANGLE_TOL, "ssm_state": STATE_TOL, "k_state": STATE_TOL,
+              "v_state": 0.0, "dadt": DECAY_GRAD_TOL, "ddt": DECAY_GRAD_TOL,
+              "dangles": ANGLE_GRAD_TOL}  # fmt: skip
+    bad = {k: v for k, v in err.items() if not v <= bounds.get(k, GRAD_TOL)}
+    assert not bad, f"over bound: {bad}; all: {err}"
+
+
+SHAPES = [
+    pytest.param(t, g, dz, id=f"T{t}-{'g1' if g == 1 else 'gh'}-{dz}")
+    for t in (64, 100, 2048)
+    for g in (1, 4)
+    for dz in ("d-z", "nod-noz")
+] + [
+    pytest.param(100, 4, "d-noz", id="T100-gh-d-noz"),
+    pytest.param(100, 1, "nod-z", id="T100-g1-nod-z"),
+]
+
+
+@pytest.mark.parametrize("t,g,dz", SHAPES)
+def test_outputs_states_and_gradients_match_reference(t, g, dz):
+    x = make_inputs(t=t, g=g, with_d=dz.startswith("d-"), with_z=dz.endswith("-z"))
+    check(errors(x))
+
+
+@pytest.mark.parametrize(
+    "shape,chunk_size",
+    [
+        pytest.param(dict(p=32, n=16, s=4), 64, id="tiny-P32-N16-S4"),
+        pytest.param(dict(p=64, n=64, s=16), 32, id="chunk32"),
+        pytest.param(dict(p=64, n=64, s=16), 16, id="chunk16"),
+        pytest.param(dict(p=48, n=40, s=6), 64, id="P48-N40-S6"),
+    ],
+)
+def test_other_tiles_match_reference(shape, chunk_size):
+    check(errors(make_inputs(t=100, **shape), chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize("g", [1, 4], ids=["g1", "gh"])
+def test_initial_state_and_its_gradients_match_reference(g):
+    x = make_inputs(t=100, g=g)
+    check(errors(x, state=make_state(2, 4, 64, 64, 16)))
+
+
+def _slice(x, lo, hi):
+    out = {}
+    for key, val in x.items():
+        if val is None or key in ("q_bias", "k_bias", "d"):
+            out[key] = val
+        elif key in ("adt", "dt", "trap"):
+            out[key] = val[..., lo:hi]
+        else:
+            out[key] = val[:, lo:hi]
+    return out
+
+
+@pytest.mark.parametrize(
+    "t,t1",
+    [pytest.param(100, 37, id="T100-split37"), pytest.param(2048, 1000, id="T2048-split1000")],
+)
+def test_split_sequence_with_carried_state_equals_whole(t, t1):
+    x = make_inputs(t=t)
+    y, st = mamba3_siso(**x, return_final_state=True, backend="triton")
+    ya, sa = mamba3_siso(**_slice(x, 0, t1), return_final_state=True, backend="triton")
+    yb, sb = mamba3_siso(
+        **_slice(x, t1, t), initial_state=sa, return_final_state=True, backend="triton"
+    )
+    assert rel(torch.cat([ya, yb], dim=1), y) <= SPLIT_TOL
+    assert angle_err(sb[0], st[0]) <= ANGLE_TOL
+    for name, a, b in zip(("ssm", "k", "v"), sb[1:], st[1:], strict=True):
+        assert rel(a, b) <= SPLIT_TOL, name
+
+
+def test_strided_inputs_as_the_mixer_passes_them():
+    """Angles expanded over heads (stride 0), (b, h, t) scalars as transposed views, v/z as
+    slices of one projection: same numbers as contiguous inputs, gradients included."""
+    b, t, h, p, n, s = 2, 100, 4, 64, 64, 16
+    x = make_inputs(b=b, t=t, h=h, p=p, n=n, s=s)
+    proj = torch.randn(b, t, 2 * h * p + 8, device=DEV).to(BF16)
+    z_, v_ = proj[..., : h * p].view(b, t, h, p), proj[..., h * p : 2 * h * p].view(b, t, h, p)
+    ang = torch.randn(b, t, s, device=DEV).requires_grad_()
+    scal = [x[key].transpose(1, 2).contiguous().transpose(1, 2) for key in ("adt", "dt", "trap")]
+    strided = dict(x, v=v_, z=z_, adt=scal[0], dt=scal[1], trap=scal[2],
+                   angles=ang[:, :, None].expand(b, t, h, s))  # fmt: skip
+    ang_c = ang.detach()[:, :, None].expand(b, t, h, s).contiguous().requires_grad_()
+    dense = dict(x, v=v_.contiguous(), z=z_.contiguous(), angles=ang_c)
+    gy = torch.randn(b, t, h, p, device=DEV)
+    y1 = mamba3_siso(**strided, backend="triton")
+    y2 = mamba3_siso(**dense, backend="triton")
+    assert torch.equal(y1, y2)
+    (g1,) = torch.autograd.grad((y1.float() * gy).sum(), [ang])
+    (g2,) = torch.autograd.grad((y2.float() * gy).sum(), [ang_c])
+    assert rel(g1, g2.sum(2)) <= 1e-6
+
+
+def test_no_grad_forward_equals_training_forward():
+    x = make_inputs(t=100)
+    with torch.no_grad():
+        y0 = mamba3_siso(**x, backend="triton")
+    leaves = {k: (v.clone().requires_grad_() if v is not None else None) for k, v in x.items()}
+    assert torch.equal(mamba3_siso(**leaves, backend="triton").detach(), y0)
+
+
+def test_auto_backend_picks_triton_on_cuda(caplog):
+    import kernels.mamba3.api as api
+
+    api._auto_logged.clear()
+    x = make_inputs(t=64)
+    with caplog.at_level(logging.INFO, logger="kernels.mamba3.api"):
+        y_auto = mamba3_siso(**x, backend="auto")
+    assert any("auto -> triton" in r.message for r in caplog.records)
+    assert torch.equal(y_auto, mamba3_siso(**x, backend="triton"))
+
+
+def test_tile_caps_are_value_errors_that_name_the_cap():
+    x = make_inputs(t=64)
+    with pytest.raises(ValueError, match=r"chunk_size.*pytorch"):
+        mamba3_siso(**x, chunk_size=128, backend="triton")
+    big = make_inputs(t=16, h=1, p=128)
+    with pytest.raises(ValueError, match=r"head dim p at 64.*pytorch"):
+        mamba3_siso(**big, backend="triton")
+    x64 = dict(x, v=x["v"].double())
+    with pytest.raises(ValueError, match=r"takes v in.*pytorch"):
+        mamba3_siso(**x64, backend="triton")
