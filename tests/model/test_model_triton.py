@@ -14,7 +14,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("ngroups", [1, 8], ids=["g1", "gh"])
+@pytest.mark.parametrize("ngroups", [1, 16], ids=["g1", "gh"])
 def test_triton_and_pytorch_backends_give_the_same_loss_and_gradients(ngroups):
     torch.manual_seed(0)
     base = ModelConfig.preset("tiny", d_model=256, n_layers=2, ngroups=ngroups, vocab_size=1000)
