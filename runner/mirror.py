@@ -1,0 +1,681 @@
+"""Checkpoint mirror: a copy of the run's complete checkpoints in object storage, so a run can
+resume on a node whose local disk is new (spot preemption, a replaced node).
+
+Remote layout, the same as the run dir's::
+
+    <mirror_url>/checkpoints/step_00004000/{model.safetensors, optim.pt, meta.json}
+
+``mirror_url`` is any fsspec URL with a scheme in runner.config.MIRROR_SCHEMES: ``s3://`` (s3fs),
+``gs://`` (gcsfs) or ``file://`` (a shared filesystem). fsspec imports the backend lazily; a
+missing one is a `MirrorError` that names the package. Credentials and endpoints come from the
+environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, …).
+
+Upload protocol (one uploader per run, so one writer per remote prefix):
+  1. if the remote step already holds a byte-identical meta.json (and the files it lists, at the
+     recorded sizes), nothing is sent;
+  2. a remote meta.json that differs (the step was saved again) is deleted first, so the remote
+     step stops being complete before any of its files change;
+  3. model.safetensors and optim.pt are streamed up while being hashed; a digest that differs
+     from meta.json (the local file changed or rotted) aborts the upload;
+  4. meta.json is written LAST. A remote checkpoint is complete only when meta.json parses and
+     both files are present at the sizes it records, so an upload cut at any instant leaves a
+     remote checkpoint that restore skips.
+Remote retention keeps the newest ``keep_last`` complete checkpoints (deleting meta.json first)
+and removes incomplete step directories older than the newest complete one.
+
+Restore (launch into a run dir with no complete checkpoint) downloads the newest complete remote
+checkpoint into ``checkpoints/.tmp-…`` (a name the worker's save cleans up if we are killed),
+checks both sha256 digests against meta.json, fsyncs, then renames it into place; a corrupt one
+is skipped for the next older.
+
+`MirrorUploader` is the background thread the supervisor runs: it uploads the newest complete
+checkpoint whenever one appears, retries failures with exponential backoff, never raises, and
+records its progress in ``<run_dir>/mirror.json`` so `m3run status` can show the mirror's lag
+without touching the network (`read_lag`).
+
+Torch-free: the supervisor imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint import (
+    CHECKPOINTS_SUBDIR,
+    DATA_FILES,
+    DEL_PREFIX,
+    META_FILE,
+    TMP_PREFIX,
+    CheckpointError,
+    CheckpointInfo,
+    checkpoint_dir,
+    latest_complete,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from runner.protocol import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+MIRROR_FILE = "mirror.json"  # the uploader's progress in the run dir, read by `m3run status`
+_BLOCK = 8 << 20  # local read/write chunk
+# Remote buffer: one multipart part per 64 MiB (s3fs needs >= 5 MiB; fewer, larger parts keep a
+# 5 GB checkpoint to ~80 requests).
+_PART = 64 << 20
+_BACKENDS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+
+
+class MirrorError(RuntimeError):
+    """The mirror cannot be used, or a transfer failed. The message names the URL, the problem
+    and what to do."""
+
+
+@dataclass
+class RemoteCheckpoint:
+    """One ``step_XXXXXXXX`` directory under the mirror's checkpoints/."""
+
+    step: int
+    path: str  # fsspec path (no protocol) of the step directory
+    complete: bool
+    reason: str | None  # why it is not complete; None when complete
+    meta: dict | None  # parsed meta.json when it parses
+    meta_bytes: bytes | None  # meta.json exactly as stored
+
+
+def _step_of(name: str) -> int | None:
+    if not name.startswith("step_"):
+        return None
+    digits = name[5:]
+    if not digits.isdigit() or len(digits) < 8:
+        return None
+    step = int(digits)
+    return step if name == f"step_{step:08d}" else None
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _meta_problem(meta: Any, step: int) -> str | None:
+    """Why a parsed meta.json cannot describe checkpoint `step`, or None."""
+    if not isinstance(meta, dict):
+        return f"{META_FILE} is not a JSON object"
+    if meta.get("step") != step:
+        return f"{META_FILE} says step {meta.get('step')!r}, the directory is step {step}"
+    files = meta.get("files")
+    for name in DATA_FILES:
+        rec = files.get(name) if isinstance(files, dict) else None
+        if not (
+            isinstance(rec, dict)
+            and isinstance(rec.get("sha256"), str)
+            and isinstance(rec.get("bytes"), int)
+        ):
+            return f"{META_FILE} has no sha256/bytes record for {name}"
+    return None
+
+
+class Mirror:
+    """The remote copy of one run's checkpoints at ``url`` (see the module docstring).
+
+    ``storage_options`` go to the fsspec filesystem (e.g. ``{"client_kwargs":
+    {"endpoint_url": ...}}`` for s3fs); by default everything comes from the environment."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        scheme = self.url.partition("://")[0] if "://" in self.url else "file"
+        try:
+            self.fs, root = fsspec.core.url_to_fs(
+                self.url, skip_instance_cache=True, **(storage_options or {})
+            )
+        except ImportError as e:
+            pkg = _BACKENDS.get(scheme, f"the fsspec backend for {scheme}://")
+            raise MirrorError(
+                f"checkpoint.mirror_url {url!r} needs the {pkg} package, which is not "
+                f"installed ({e}) (fix: pip install {pkg} in the image, or set "
+                "checkpoint.mirror_url=null)"
+            ) from e
+        except ValueError as e:
+            raise MirrorError(
+                f"checkpoint.mirror_url {url!r} is not a usable fsspec URL: {e} (fix: use "
+                "s3://bucket/prefix, gs://bucket/prefix or file:///absolute/path)"
+            ) from e
+        self.root = root.rstrip("/")
+        self._local = "file" in (
+            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        )
+
+    def __repr__(self) -> str:
+        return f"Mirror({self.url!r})"
+
+    # ----------------------------------------------------------------- paths & listing
+
+    @property
+    def _ckroot(self) -> str:
+        return f"{self.root}/{CHECKPOINTS_SUBDIR}"
+
+    def remote_path(self, step: int) -> str:
+        """fsspec path (no protocol) of the remote directory of checkpoint `step`."""
+        return f"{self._ckroot}/step_{step:08d}"
+
+    def list_remote(self) -> list[RemoteCheckpoint]:
+        """Every remote step directory, sorted by step, incomplete ones with the reason. One
+        listing request plus one read per meta.json; never hashes (downloads are verified)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self._ckroot, detail=True)
+        except FileNotFoundError:
+            return []
+        sizes: dict[int, dict[str, int]] = {}
+        prefix = self._ckroot.lstrip("/") + "/"
+        for name, info in found.items():
+            rel = name.lstrip("/")
+            if not rel.startswith(prefix):
+                continue
+            parts = rel[len(prefix) :].split("/")
+            step = _step_of(parts[0])
+            if step is None or len(parts) != 2:
+                continue
+            sizes.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
+        out = []
+        for step in sorted(sizes):
+            out.append(self._remote_info(step, sizes[step]))
+        return out
+
+    def _remote_info(self, step: int, files: dict[str, int]) -> RemoteCheckpoint:
+        path = self.remote_path(step)
+
+        def torn(reason: str, meta: dict | None = None, raw: bytes | None = None):
+            return RemoteCheckpoint(step, path, False, reason, meta, raw)
+
+        if META_FILE not in files:
+            return torn(f"{META_FILE} missing (the upload did not finish)")
+        try:
+            raw = self.fs.cat_file(f"{path}/{META_FILE}")
+        except FileNotFoundError:
+            return torn(f"{META_FILE} vanished while listing (retention or a new upload)")
+        try:
+            meta = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return torn(f"{META_FILE} unreadable: {e}", None, raw)
+        problem = _meta_problem(meta, step)
+        if problem is not None:
+            return torn(problem, meta if isinstance(meta, dict) else None, raw)
+        for name in DATA_FILES:
+            want = meta["files"][name]["bytes"]
+            if name not in files:
+                return torn(f"{name} missing", meta, raw)
+            if files[name] != want:
+                return torn(f"{name} is {files[name]} bytes, {META_FILE} records {want}", meta, raw)
+        return RemoteCheckpoint(step, path, True, None, meta, raw)
+
+    def latest_remote(self) -> RemoteCheckpoint | None:
+        """The newest complete remote checkpoint, or None."""
+        complete = [c for c in self.list_remote() if c.complete]
+        return complete[-1] if complete else None
+
+    # ----------------------------------------------------------------- upload
+
+    def upload_checkpoint(self, local_path: str | os.PathLike) -> bool:
+        """Copy one complete local checkpoint directory to the mirror (protocol: module
+        docstring). Returns False when the mirror already holds it byte for byte, True after an
+        upload. MirrorError if the local checkpoint is not complete or changed during the upload;
+        transport errors (OSError, the backend's own) propagate for the caller to retry."""
+        local = Path(local_path)
+        try:
+            meta_bytes = (local / META_FILE).read_bytes()
+            meta = json.loads(meta_bytes)
+        except FileNotFoundError as e:
+            raise MirrorError(
+                f"cannot upload {local}: {META_FILE} is missing (the checkpoint is incomplete or "
+                "was deleted by retention); only complete checkpoints are mirrored"
+            ) from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise MirrorError(f"cannot upload {local}: {META_FILE} is unreadable ({e})") from e
+        step = meta.get("step") if isinstance(meta, dict) else None
+        problem = _meta_problem(meta, step) if isinstance(step, int) else "no step in meta.json"
+        if problem is not None:
+            raise MirrorError(f"cannot upload {local}: {problem}")
+
+        remote = self.remote_path(step)
+        existing = self._remote_meta(remote)
+        if existing == meta_bytes and self._remote_sizes_match(remote, meta):
+            return False
+        if existing is not None:
+            # The step was saved again locally: make the remote copy incomplete before any of
+            # its files change, so no reader can pair the new meta with old data or vice versa.
+            self.fs.rm_file(f"{remote}/{META_FILE}")
+        if self._local:
+            self.fs.makedirs(remote, exist_ok=True)
+        for name in DATA_FILES:
+            rec = meta["files"][name]
+            try:
+                digest, size = self._send(local / name, f"{remote}/{name}")
+            except FileNotFoundError as e:
+                raise MirrorError(
+                    f"cannot upload {local}: {name} vanished during the upload (a newer "
+                    "checkpoint replaced it); the newest one is uploaded next"
+                ) from e
+            if digest != rec["sha256"] or size != rec["bytes"]:
+                raise MirrorError(
+                    f"cannot upload {local}: {name} does not match {META_FILE} (sha256 "
+                    f"{digest[:12]}…, {size} bytes; recorded {rec['sha256'][:12]}…, "
+                    f"{rec['bytes']} bytes). It changed during the upload or is corrupt; "
+                    "`m3run checkpoints RUN` shows its state"
+                )
+        if not self._remote_sizes_match(remote, meta):
+            raise MirrorError(
+                f"upload of step {step} to {self.url}: the stored files do not have the sizes "
+                f"{META_FILE} records; the upload is retried"
+            )
+        self.fs.pipe_file(f"{remote}/{META_FILE}", meta_bytes)  # LAST: completes the checkpoint
+        return True
+
+    def _remote_meta(self, remote: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(f"{remote}/{META_FILE}")
+        except FileNotFoundError:
+            return None
+
+    def _remote_sizes_match(self, remote: str, meta: dict) -> bool:
+        self.fs.invalidate_cache(remote)
+        for name in DATA_FILES:
+            try:
+                size = self.fs.size(f"{remote}/{name}")
+            except FileNotFoundError:
+                return False
+            if size != meta["files"][name]["bytes"]:
+                return False
+        return True
+
+    def _send(self, src: Path, dst: str) -> tuple[str, int]:
+        """Stream a local file to the mirror; (sha256, bytes) of exactly what was sent."""
+        h, n = hashlib.sha256(), 0
+        with open(src, "rb") as f:
+            try:
+                with self.fs.open(dst, "wb", block_size=_PART) as out:
+                    while block := f.read(_BLOCK):
+                        h.update(block)
+                        out.write(block)
+                        n += len(block)
+            except BaseException:
+                # meta.json is not there, so this file is already ignored; tidy up if we can.
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(dst)
+                raise
+        return h.hexdigest(), n
+
+    # ----------------------------------------------------------------- retention
+
+    def apply_retention(self, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+        """Delete remote complete checkpoints beyond the newest `keep_last`, and incomplete step
+        directories older than the newest complete one, never a step in `protect`. meta.json
+        goes first, so a deletion cut short leaves an incomplete (ignored) directory. Returns
+        the deleted steps."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(
+                f"keep_last must be an int >= 1, got {keep_last!r} (fix: pass checkpoint.keep_last)"
+            )
+        protect = set(protect)
+        infos = self.list_remote()
+        complete = [c for c in infos if c.complete]
+        if not complete:
+            return []
+        newest = complete[-1].step
+        doomed = [c for c in complete[:-keep_last] if c.step not in protect]
+        doomed += [c for c in infos if not c.complete and c.step < newest and c.step not in protect]
+        deleted = []
+        for c in sorted(doomed, key=lambda c: c.step):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(f"{c.path}/{META_FILE}")
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(c.path, recursive=True)
+            deleted.append(c.step)
+        return deleted
+
+    # ----------------------------------------------------------------- restore
+
+    def restore_latest(
+        self, run_dir: str | os.PathLike, attempts: int = 3, backoff_s: float = 1.0
+    ) -> int | None:
+        """If `run_dir` has no complete checkpoint, download the newest complete remote one
+        (verified against its sha256 digests; a corrupt one is skipped for the next older) and
+        return its step. None when the run dir already has a complete checkpoint or the mirror
+        has none. Transport errors are retried `attempts` times, then raised as MirrorError."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if latest_complete(run_dir) is not None:
+            return None
+        last: Exception | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(backoff_s * 2 ** (attempt - 1))
+            try:
+                return self._restore_newest(run_dir)
+            except MirrorError:
+                raise
+            except Exception as e:  # the backend's transport errors have no common base
+                last = e
+                log.warning("mirror restore attempt %d/%d failed: %s", attempt + 1, attempts, e)
+        raise MirrorError(
+            f"could not read the checkpoint mirror {self.url} after {attempts} attempts: "
+            f"{type(last).__name__}: {last} (fix: check the URL, the credentials and the "
+            "endpoint in the environment, e.g. AWS_ENDPOINT_URL; or set "
+            "checkpoint.mirror_url=null to start without it)"
+        ) from last
+
+    def _restore_newest(self, run_dir: Path) -> int | None:
+        candidates = [c for c in self.list_remote() if c.complete]
+        for c in reversed(candidates):
+            try:
+                self._download(c, run_dir)
+            except _CorruptRemote as e:
+                log.warning("mirror checkpoint %s is corrupt, trying an older one: %s", c.path, e)
+                continue
+            return c.step
+        return None
+
+    def _download(self, c: RemoteCheckpoint, run_dir: Path) -> Path:
+        assert c.meta is not None and c.meta_bytes is not None
+        final = checkpoint_dir(run_dir, c.step)
+        root = final.parent
+        root.mkdir(exist_ok=True)
+        tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
+        tmp.mkdir()
+        try:
+            for name in DATA_FILES:
+                rec = c.meta["files"][name]
+                digest, size = self._fetch(f"{c.path}/{name}", tmp / name)
+                if digest != rec["sha256"] or size != rec["bytes"]:
+                    raise _CorruptRemote(
+                        f"{name}: sha256 {digest[:12]}…, {size} bytes; {META_FILE} records "
+                        f"{rec['sha256'][:12]}…, {rec['bytes']} bytes"
+                    )
+            with open(tmp / META_FILE, "wb") as f:  # last, as in a local save
+                f.write(c.meta_bytes)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp, directory=True)
+            ok, reason = verify_checkpoint(tmp, full=False)
+            if not ok:
+                raise _CorruptRemote(str(reason))
+            if final.exists():  # a torn local copy of the same step
+                aside = root / f"{DEL_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
+                os.rename(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.rename(tmp, final)
+            _fsync(root, directory=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def _fetch(self, src: str, dst: Path) -> tuple[str, int]:
+        h, n = hashlib.sha256(), 0
+        with self.fs.open(src, "rb", block_size=_PART) as f, open(dst, "wb") as out:
+            while block := f.read(_BLOCK):
+                h.update(block)
+                out.write(block)
+                n += len(block)
+            out.flush()
+            os.fsync(out.fileno())
+        return h.hexdigest(), n
+
+    # ----------------------------------------------------------------- lag
+
+    def lag(self, run_dir: str | os.PathLike, now: float | None = None) -> dict:
+        """How far the mirror is behind the run dir, asking the mirror itself (network): the
+        newest local and remote complete steps, steps and seconds behind, and the uploader's
+        last error from mirror.json. `read_lag` gives the same without the network."""
+        remote = self.latest_remote()
+        state = read_json(Path(run_dir) / MIRROR_FILE) or {}
+        saved = remote.meta.get("saved_at") if remote is not None and remote.meta else None
+        return _lag(self.url, Path(run_dir), remote.step if remote else None, saved, state, now)
+
+
+class _CorruptRemote(Exception):
+    """A remote checkpoint whose bytes do not match its meta.json."""
+
+
+def _local_complete(run_dir: Path) -> list[CheckpointInfo]:
+    try:
+        return [i for i in list_checkpoints(run_dir, verify=False) if i.complete]
+    except (CheckpointError, OSError):  # no run dir yet, or a listing race with retention
+        return []
+
+
+def _lag(
+    url: str,
+    run_dir: Path,
+    remote_step: int | None,
+    remote_saved_at: Any,
+    state: dict,
+    now: float | None,
+) -> dict:
+    now = time.time() if now is None else now
+    local = _local_complete(run_dir)
+    local_step = local[-1].step if local else None
+    missing = [i for i in local if remote_step is None or i.step > remote_step]
+    saved = [
+        i.meta.get("saved_at")
+        for i in missing
+        if i.meta and isinstance(i.meta.get("saved_at"), (int, float))
+    ]
+    return {
+        "url": url,
+        "local_step": local_step,
+        "remote_step": remote_step,
+        "remote_saved_at": remote_saved_at,
+        "steps_behind": (local_step - (remote_step or 0)) if missing else 0,
+        # Age of the oldest local checkpoint the mirror lacks: how much work a lost disk costs.
+        "seconds_behind": max(0.0, now - min(saved)) if saved else 0.0,
+        "last_upload_at": state.get("last_upload_at"),
+        "last_error": state.get("last_error"),
+        "last_error_at": state.get("last_error_at"),
+        "failures": state.get("failures", 0),
+    }
+
+
+def read_lag(run_dir: str | os.PathLike, now: float | None = None) -> dict | None:
+    """The mirror's lag as the uploader last recorded it in mirror.json, against the run dir's
+    checkpoints now; None when no uploader has run here. Reads files only (for `m3run status`)."""
+    state = read_json(Path(run_dir) / MIRROR_FILE)
+    if state is None:
+        return None
+    return _lag(
+        str(state.get("url")),
+        Path(run_dir),
+        state.get("remote_step"),
+        state.get("remote_saved_at"),
+        state,
+        now,
+    )
+
+
+def format_lag(lag: dict | None) -> str:
+    """One line for `m3run status`."""
+    if lag is None:
+        return "-"
+    where = "empty" if lag["remote_step"] is None else f"step {lag['remote_step']}"
+    if lag["steps_behind"]:
+        where += f", {lag['steps_behind']} steps / {lag['seconds_behind']:.0f}s behind"
+    else:
+        where += ", up to date"
+    if lag.get("last_error"):
+        where += f"; last error: {lag['last_error']}"
+    return f"{lag['url']} ({where})"
+
+
+# --------------------------------------------------------------------------- background uploader
+
+
+class MirrorUploader(threading.Thread):
+    """Keeps the mirror up to date with the run dir's newest complete checkpoint.
+
+    Wakes on `notify()` (a new checkpoint was verified) or every `poll_s`, uploads the newest
+    complete checkpoint if the mirror lacks it, then applies remote retention. A failure is
+    recorded in mirror.json and retried after `backoff_initial_s`, doubling up to
+    `backoff_max_s`. It never raises and never blocks its caller; `flush` waits (bounded) for the
+    newest checkpoint to be mirrored, `close` stops the thread. `on_event(event, fields)`
+    (optional) is told about uploads and errors."""
+
+    def __init__(
+        self,
+        mirror: Mirror,
+        run_dir: str | os.PathLike,
+        keep_last: int,
+        *,
+        poll_s: float = 30.0,
+        backoff_initial_s: float = 2.0,
+        backoff_max_s: float = 300.0,
+        on_event: Callable[[str, dict], None] | None = None,
+    ):
+        super().__init__(name="ckpt-mirror", daemon=True)
+        self.mirror = mirror
+        self.run_dir = Path(run_dir)
+        self.keep_last = keep_last
+        self.poll_s = poll_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.on_event = on_event
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._cond = threading.Condition()
+        self._done_key: tuple[int, str] | None = None  # (step, sha256 of meta.json) mirrored
+        self._failures = 0
+        # Keep what an earlier supervisor recorded about this mirror (status shows it until
+        # the first sync of this one).
+        previous = read_json(self.run_dir / MIRROR_FILE) or {}
+        self._state: dict[str, Any] = previous if previous.get("url") == mirror.url else {}
+        for key in (
+            "remote_step",
+            "remote_saved_at",
+            "last_upload_at",
+            "last_error",
+            "last_error_at",
+        ):
+            self._state.setdefault(key, None)
+        self._state.update(url=mirror.url, failures=0)
+
+    # ---- caller side
+
+    def notify(self) -> None:
+        """A new checkpoint may exist: look now (also cuts a backoff short)."""
+        self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the newest complete local checkpoint to be mirrored.
+        True when it is (or there is none)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                want = self._newest_key()
+                if want is None or want == self._done_key:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.is_alive():
+                    return False
+                self._wake.set()
+                self._cond.wait(min(left, 1.0))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the transfer in flight (waiting at most `timeout_s`; it is a daemon)."""
+        self._stopping.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout_s)
+
+    # ---- thread side
+
+    def run(self) -> None:
+        delay = 0.0  # first look at once: the mirror may lack the newest checkpoint
+        while not self._stopping.is_set():
+            if delay:
+                self._wake.wait(delay)
+                if self._stopping.is_set():
+                    break
+            self._wake.clear()
+            try:
+                self._sync_once()
+            except Exception as e:  # never let an upload problem reach training
+                self._failed(e)
+                delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (self._failures - 1))
+            else:
+                delay = self.poll_s
+            with self._cond:
+                self._cond.notify_all()
+
+    def _newest_key(self) -> tuple[int, str] | None:
+        local = _local_complete(self.run_dir)
+        if not local:
+            return None
+        try:
+            digest = hashlib.sha256((local[-1].path / META_FILE).read_bytes()).hexdigest()
+        except OSError:  # deleted by retention just now: the next look finds the newer one
+            return None
+        return local[-1].step, digest
+
+    def _sync_once(self) -> None:
+        key = self._newest_key()
+        if key is None or key == self._done_key:
+            return
+        step = key[0]
+        t0 = time.monotonic()
+        path = checkpoint_dir(self.run_dir, step)
+        sent = self.mirror.upload_checkpoint(path)
+        deleted = self.mirror.apply_retention(self.keep_last, protect={step})
+        meta = read_json(path / META_FILE) or {}
+        self._done_key = key
+        self._failures = 0
+        now = time.time()
+        self._state.update(
+            remote_step=step,
+            remote_saved_at=meta.get("saved_at"),
+            failures=0,
+            last_error=None,
+            last_error_at=None,
+        )
+        if sent:
+            seconds = time.monotonic() - t0
+            self._state.update(last_upload_at=now, last_upload_step=step, last_upload_s=seconds)
+            self._event("mirror_upload", step=step, seconds=round(seconds, 3), deleted=deleted)
+        self._save_state()
+
+    def _failed(self, e: Exception) -> None:
+        self._failures += 1
+        message = f"{type(e).__name__}: {e}"
+        log.warning(
+            "checkpoint mirror %s: %s (failure %d)", self.mirror.url, message, self._failures
+        )
+        self._state.update(last_error=message, last_error_at=time.time(), failures=self._failures)
+        with contextlib.suppress(Exception):
+            self._save_state()
+        self._event("mirror_error", reason=message, failures=self._failures)
+
+    def _save_state(self) -> None:
+        self._state["updated_at"] = time.time()
+        atomic_write_json(self.run_dir / MIRROR_FILE, self._state)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event, fields)
+        except Exception as e:
+            log.warning("mirror event callback failed: %s", e)
