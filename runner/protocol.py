@@ -46,8 +46,14 @@ SUPERVISOR_LOG = "supervisor.log"
 #   M3RUN_FAULT="nan_from_step=7"   every step from 7 on is NaN (rollback cannot heal → exit 76)
 #   M3RUN_FAULT="hang_at_step=7"    the worker sleeps forever before step 7
 #   M3RUN_FAULT="crash_at_step=7"   the worker exits 1 before step 7
+#                                   (a checkpoint write in flight finishes first, as in any crash
+#                                   that unwinds Python; only a SIGKILL loses it)
 #   M3RUN_FAULT="crash_at_startup"  the worker exits 1 before training
 #   M3RUN_FAULT="slow_save=2.0"     each checkpoint write sleeps this many seconds mid-write
+#                                   (data files written, meta.json not yet; with async_save,
+#                                   on the background thread while training goes on)
+#   M3RUN_FAULT="save_error_at_step=10"  the checkpoint write for the first save at step ≥ 10
+#                                   fails mid-write with an injected OSError (EIO)
 # Several faults are separated by commas. Each fires once per process unless named *_from_*.
 FAULT_ENV = "M3RUN_FAULT"
 
@@ -138,3 +144,9 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True)
 # `m3run stop --grace S` writes {"grace_s": S, "time": ...} here before signalling the
 # supervisor; the supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
 STOP_REQUEST_FILE = "stop_request.json"
+
+
+def worker_exit_file(local_rank: int = 0) -> str:
+    """Under torchrun (which exits 1 whatever its ranks' codes were) each rank's protocol exit
+    code is recorded here by the supervisor's rank wrapper (`python -m runner.supervisor rank`)."""
+    return f"worker_exit.local{local_rank}.json"

@@ -44,6 +44,7 @@ def tiny_run_overrides(corpus: Path, **extra) -> list[str]:
         "eval.interval_steps": 0,
         "log.interval_steps": 1,
         "log.heartbeat_interval_s": 0.2,
+        "supervisor.preemption_provider": "none",
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

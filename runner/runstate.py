@@ -1,0 +1,560 @@
+"""Reading a run directory from outside the supervisor: state, heartbeat, events, metrics.
+
+This is what `m3run status`, `m3run stop`, `m3run logs` and the container liveness check see.
+Torch-free and GPU-free: it reads files and asks the OS (psutil) whether recorded pids still
+belong to the processes that wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from runner.protocol import (
+    EVENTS_FILE,
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    STATE_FILE,
+    STOP_REQUEST_FILE,
+    SUPERVISOR_LOG,
+    WORKER_LOG,
+    append_jsonl,
+    atomic_write_json,
+    read_json,
+    read_jsonl,
+)
+
+# Supervisor phases (state.json "phase").
+PREFLIGHT = "preflight"  # lock taken, config frozen, GPU health gate and smoke test running
+RUNNING = "running"  # a worker is alive and supervised
+RESTARTING = "restarting"  # the worker died or hung; waiting out the backoff before a relaunch
+STOPPING = "stopping"  # a stop or preemption was requested; the worker is saving
+FINISHED = "finished"  # the worker trained to total_steps (supervisor exit 0)
+STOPPED = "stopped"  # stopped by the user after a save (supervisor exit 0)
+PREEMPTED = "preempted"  # cloud preemption notice; saved and exited (supervisor exit 75)
+FAILED = "failed"  # gave up: bad config, unhealthy GPU, restart budget (exit 78/69/70)
+# Not written by the supervisor: reported by readers when state.json says the supervisor is
+# active but its pid is gone (it was SIGKILLed, OOM-killed, or the host rebooted).
+DEAD = "dead"
+
+ACTIVE_PHASES = frozenset({PREFLIGHT, RUNNING, RESTARTING, STOPPING})
+TERMINAL_PHASES = frozenset({FINISHED, STOPPED, PREEMPTED, FAILED})
+
+RUNS_ROOT = Path("runs")
+# Slack on top of the supervisor's own hang allowance before the liveness check calls a run
+# stale: the supervisor polls, then signals, then waits for the worker to exit.
+LIVENESS_SLACK_S = 30.0
+# The supervisor refreshes state.json every few seconds while it watches; its longest blocking
+# steps (hashing checkpoints to pick a resume step, waiting for GPU memory) take minutes at most.
+SUPERVISOR_STALE_S = 600.0
+# psutil derives create times from clock ticks since boot; two reads can differ by rounding.
+_CREATE_TIME_TOLERANCE_S = 0.5
+
+
+class RunNotFoundError(Exception):
+    """RUN names no run directory. The message names the value and what to pass instead."""
+
+
+# --------------------------------------------------------------------------- locating runs
+
+
+def resolve_run(run: str | os.PathLike | None, runs_root: Path = RUNS_ROOT) -> Path:
+    """A run directory from RUN: an existing path, else a name under ./runs/. Without RUN, the
+    run under ./runs/ whose state.json changed last."""
+    if run is None:
+        candidates = (
+            [p.parent for p in runs_root.glob(f"*/{STATE_FILE}")] if runs_root.is_dir() else []
+        )
+        if not candidates:
+            raise RunNotFoundError(
+                f"no run found under {runs_root}/ (no */{STATE_FILE}); pass RUN as a run "
+                "directory path or a name under ./runs/"
+            )
+        return max(candidates, key=lambda p: (p / STATE_FILE).stat().st_mtime)
+    path = Path(run)
+    if path.is_dir():
+        return path
+    named = runs_root / str(run)
+    if named.is_dir():
+        return named
+    raise RunNotFoundError(
+        f"run {str(run)!r} not found: neither {path} nor {named} is a directory; pass a run "
+        f"directory path or one of the names under ./runs/ ({_names(runs_root)})"
+    )
+
+
+def _names(runs_root: Path) -> str:
+    if not runs_root.is_dir():
+        return "none: ./runs/ does not exist here"
+    names = sorted(p.name for p in runs_root.iterdir() if p.is_dir())
+    return ", ".join(names) if names else "none"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def process_matches(pid: Any, create_time: Any) -> bool:
+    """True if `pid` is alive and is the process that recorded `create_time` (not a reused pid)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        actual = proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    if not isinstance(create_time, (int, float)):
+        return True  # nothing recorded to compare against: alive is the best we know
+    return abs(actual - create_time) <= _CREATE_TIME_TOLERANCE_S
+
+
+def supervisor_alive(state: dict | None) -> bool:
+    if not state:
+        return False
+    return process_matches(state.get("supervisor_pid"), state.get("supervisor_create_time"))
+
+
+def effective_phase(state: dict | None) -> str | None:
+    """state.json's phase, or DEAD when it claims an active phase but the supervisor is gone."""
+    if not state:
+        return None
+    phase = state.get("phase")
+    if phase in ACTIVE_PHASES and not supervisor_alive(state):
+        return DEAD
+    return phase
+
+
+# --------------------------------------------------------------------------- files
+
+
+def read_state(run_dir: Path) -> dict | None:
+    return read_json(Path(run_dir) / STATE_FILE)
+
+
+def read_heartbeat(run_dir: Path) -> dict | None:
+    return read_json(Path(run_dir) / HEARTBEAT_FILE)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def heartbeat_age(heartbeat: dict | None, now: float | None = None) -> float | None:
+    if not heartbeat or not isinstance(heartbeat.get("ts"), (int, float)):
+        return None
+    return max(0.0, (time.time() if now is None else now) - heartbeat["ts"])
+
+
+def _last_train_metrics(run_dir: Path) -> dict:
+    """The newest train record of metrics.jsonl, reading only the file's tail."""
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            tail = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(tail):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind", "train") == "train":
+            return rec
+    return {}
+
+
+def _last_complete_checkpoint(run_dir: Path) -> int | None:
+    from runner.checkpoint import CheckpointError, list_checkpoints
+
+    try:
+        # Sizes only: status must stay instant even with many multi-GB checkpoints.
+        done = [c.step for c in list_checkpoints(run_dir, verify=False) if c.complete]
+    except (OSError, CheckpointError):  # a run dir deleted under us is not worth a crash
+        return None
+    return done[-1] if done else None
+
+
+# --------------------------------------------------------------------------- status
+
+
+def collect_status(run_dir: Path, gpu: bool = False) -> dict:
+    """Everything `m3run status` shows, as one JSON-ready dict."""
+    run_dir = Path(run_dir)
+    state = read_state(run_dir) or {}
+    hb = read_heartbeat(run_dir) or {}
+    metrics = _last_train_metrics(run_dir)
+    now = time.time()
+
+    def pick(key: str) -> Any:
+        value = hb.get(key)
+        return metrics.get(key) if value is None else value
+
+    loss = pick("loss")
+    ppl = None  # of the loss shown (the heartbeat's is newer than the last metrics record)
+    if isinstance(loss, (int, float)) and math.isfinite(loss) and loss < 50:
+        ppl = math.exp(loss)
+    step, total = pick("step"), hb.get("total_steps")
+    step_time = hb.get("step_time_s")
+    eta = None
+    if all(isinstance(v, (int, float)) for v in (step, total, step_time)) and total >= step:
+        eta = (total - step) * step_time
+    last_ckpt = state.get("last_checkpoint_step")
+    if last_ckpt is None:
+        last_ckpt = _last_complete_checkpoint(run_dir)
+    worker_pid = state.get("worker_pid")
+    worker_alive = process_matches(worker_pid, state.get("worker_create_time"))
+    status = {
+        "run_dir": str(run_dir),
+        "phase": effective_phase(state) if state else None,
+        "recorded_phase": state.get("phase"),
+        "reason": state.get("reason"),
+        "worker_phase": hb.get("phase"),
+        "step": step,
+        "total_steps": total,
+        "loss": loss,
+        "ppl": ppl,
+        "lr": pick("lr"),
+        "grad_norm": pick("grad_norm"),
+        "tokens_per_s": pick("tokens_per_s"),
+        "mfu": pick("mfu"),
+        "eta_s": eta,
+        "heartbeat_age_s": heartbeat_age(hb, now),
+        "heartbeat_timeout_s": state.get("heartbeat_timeout_s"),
+        "vram_bytes": hb.get("vram_bytes"),
+        "peak_vram_bytes": state.get("peak_vram_bytes"),
+        "last_checkpoint_step": last_ckpt,
+        "restarts": state.get("restarts", []),
+        "last_exit": state.get("last_exit"),
+        "lr_scale": state.get("lr_scale"),
+        "supervisor_pid": state.get("supervisor_pid"),
+        "supervisor_alive": supervisor_alive(state),
+        "worker_pid": worker_pid,
+        "worker_alive": worker_alive,
+        "config_hash": state.get("config_hash"),
+        "started_at": state.get("started_at"),
+        "updated_at": state.get("updated_at"),
+    }
+    from runner.mirror import read_lag
+
+    status["mirror"] = read_lag(run_dir)  # None without a checkpoint mirror
+    if gpu:
+        status["gpu"] = _gpu_snapshot()
+    return status
+
+
+def _gpu_snapshot() -> list[dict] | dict | None:
+    """Util/memory/temperature per GPU (runner.health's probe child), None without a GPU."""
+    from dataclasses import asdict
+
+    from runner import health
+
+    try:
+        snap = health.gpu_snapshot(timeout_s=5.0)
+    except health.ProbeError as e:  # a sick GPU must not break `m3run status`
+        return {"error": f"GPU probe failed: {e}"}
+    return [asdict(d) for d in snap] or None
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
+    """(healthy, why) for a container HEALTHCHECK / Kubernetes liveness probe. Reads the run dir
+    only and never touches the GPU: healthy while the supervisor process is alive in an active
+    phase and, when a worker is running, its heartbeat is within the supervisor's calibrated
+    allowance (plus slack for the supervisor's own reaction)."""
+    now = time.time() if now is None else now
+    state = read_state(run_dir)
+    if not state:
+        return False, f"no {STATE_FILE} in {run_dir}: no supervisor has run here"
+    phase = effective_phase(state)
+    if phase == DEAD:
+        return False, (
+            f"supervisor pid {state.get('supervisor_pid')} is gone but {STATE_FILE} "
+            f"says {state.get('phase')!r}"
+        )
+    if phase in TERMINAL_PHASES:
+        return False, f"run is not running (phase {phase}: {state.get('reason') or 'no reason'})"
+    updated = state.get("updated_at")
+    if isinstance(updated, (int, float)) and now - updated > SUPERVISOR_STALE_S:
+        return False, (
+            f"supervisor pid {state['supervisor_pid']} has not updated {STATE_FILE} for "
+            f"{now - updated:.0f}s (it refreshes it every few seconds); it is stuck"
+        )
+    if phase != RUNNING:
+        return True, f"phase {phase}; supervisor pid {state['supervisor_pid']} alive"
+    hb = read_heartbeat(run_dir)
+    started = state.get("worker_started_at") or 0.0
+    age = heartbeat_age(hb, now)
+    if age is None or hb.get("ts", 0.0) < started:
+        age = now - started if started else None  # no heartbeat from this worker yet
+    allowance = state.get("heartbeat_timeout_s")
+    if age is None or not isinstance(allowance, (int, float)):
+        return True, "running; no heartbeat allowance recorded yet"
+    if age > allowance + LIVENESS_SLACK_S:
+        return False, (
+            f"heartbeat is {age:.0f}s old, over the {allowance:.0f}s allowance + "
+            f"{LIVENESS_SLACK_S:.0f}s slack; the supervisor is not healing it"
+        )
+    return True, f"running; heartbeat {age:.1f}s old (allowance {allowance:.0f}s)"
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _fmt_duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _fmt_num(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _fmt_bytes(n: Any) -> str:
+    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) else "-"
+
+
+def format_status(st: dict) -> str:
+    """Human-readable status block."""
+    step = st["step"] if st["step"] is not None else "-"
+    total = st["total_steps"] if st["total_steps"] is not None else "-"
+    lines = [
+        f"run        {st['run_dir']}",
+        f"phase      {st['phase'] or 'never launched'}"
+        + (f"  ({st['reason']})" if st.get("reason") else ""),
+        f"step       {step}/{total}   ETA {_fmt_duration(st['eta_s'])}",
+        f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
+        f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
+        f"speed      {_fmt_num(st['tokens_per_s'], ',.0f')} tok/s   MFU "
+        + (f"{st['mfu']:.1%}" if isinstance(st["mfu"], (int, float)) else "-"),
+        f"heartbeat  {_fmt_num(st['heartbeat_age_s'], '.1f')}s ago "
+        f"(worker phase {st['worker_phase'] or '-'}, allowance "
+        f"{_fmt_num(st['heartbeat_timeout_s'], '.0f')}s)",
+        f"vram       {_fmt_bytes(st['vram_bytes'])} (peak {_fmt_bytes(st['peak_vram_bytes'])})",
+        f"checkpoint last complete step {st['last_checkpoint_step'] if st['last_checkpoint_step'] is not None else '-'}",  # noqa: E501
+        f"pids       supervisor {st['supervisor_pid'] or '-'}"
+        f"{'' if st['supervisor_alive'] else ' (not running)'}, worker {st['worker_pid'] or '-'}"
+        f"{'' if st['worker_alive'] else ' (not running)'}",
+    ]
+    if st.get("mirror"):
+        from runner.mirror import format_lag
+
+        lines.append(f"mirror     {format_lag(st['mirror'])}")
+    gpu = st.get("gpu")
+    if gpu:
+        for g in gpu if isinstance(gpu, list) else [gpu]:
+            index = g.get("index", "") if isinstance(g, dict) else ""
+            lines.append(f"gpu {index!s:<6} {_fmt_gpu(g)}")
+    restarts = st.get("restarts") or []
+    lines.append(f"restarts   {len(restarts)}")
+    for r in restarts[-10:]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time", 0)))
+        lines.append(
+            f"  {when}  exit {r.get('exit_code')}  resume {r.get('resume_step')}  {r.get('reason')}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt_gpu(g: Any) -> str:
+    if not isinstance(g, dict) or "error" in g:
+        return str(g.get("error") if isinstance(g, dict) else g)
+    mem = (
+        f"{g.get('mem_used_mib')}/{g.get('mem_total_mib')} MiB"
+        if g.get("mem_total_mib") is not None
+        else "memory -"
+    )
+    util = f"{g['util_gpu_pct']}%" if g.get("util_gpu_pct") is not None else "-"
+    temp = f"{g['temp_c']} °C" if g.get("temp_c") is not None else "-"
+    return f"{g.get('name') or ''}  util {util}  {mem}  {temp}"
+
+
+# --------------------------------------------------------------------------- stop
+
+
+# On top of the grace the worker gets to save: the supervisor's poll, the final checkpoint
+# verification and its state write.
+STOP_WAIT_MARGIN_S = 30.0
+
+
+def stop_run(
+    run_dir: Path,
+    grace_s: float | None = None,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+    poll_s: float = 0.2,
+    margin_s: float = STOP_WAIT_MARGIN_S,
+) -> int:
+    """`m3run stop`: SIGTERM the run's supervisor (its pid checked against its recorded create
+    time first), which has the worker save and exit, then wait until state.json says the run
+    ended. `grace_s` caps the worker's time to save (default: the run's stop_grace_s). With
+    `force`, a run still not stopped after the grace (+ margin) is SIGKILLed, supervisor and
+    worker. Returns 0 once the run is stopped, 1 if it was not running or did not stop."""
+    state = read_state(run_dir)
+    phase = effective_phase(state)
+    if phase is None:
+        say(f"{run_dir} is not running: no supervisor has run there (no {STATE_FILE})")
+        return 1
+    if phase in TERMINAL_PHASES:
+        say(f"{run_dir} is not running: phase {phase} ({state.get('reason') or 'no reason'})")
+        return 1
+    if phase == DEAD:
+        worker = state.get("worker_pid")
+        if force and process_matches(worker, state.get("worker_create_time")):
+            _kill_group(worker)
+            _mark_killed(
+                run_dir,
+                state,
+                "supervisor was gone; its orphaned worker was killed by `m3run stop --force`",
+            )
+            say(f"{run_dir}: the supervisor was gone; killed its orphaned worker pid {worker}")
+            return 0
+        orphan = (
+            f"; its worker pid {worker} is still running (`m3run stop --force` kills it)"
+            if process_matches(worker, state.get("worker_create_time"))
+            else ""
+        )
+        say(
+            f"{run_dir} is not running: supervisor pid {state.get('supervisor_pid')} is gone "
+            f"but {STATE_FILE} says {state.get('phase')!r} (it was killed){orphan}"
+        )
+        return 1
+
+    pid = state["supervisor_pid"]
+    run_grace = state.get("stop_grace_s")
+    grace = grace_s if grace_s is not None else (run_grace if run_grace is not None else 120.0)
+    atomic_write_json(
+        Path(run_dir) / STOP_REQUEST_FILE,
+        {"grace_s": grace, "time": time.time(), "pid": os.getpid()},
+    )
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        say(f"{run_dir} is not running: supervisor pid {pid} exited just now")
+        return 1
+    say(
+        f"stopping {run_dir}: sent SIGTERM to supervisor pid {pid}; the worker saves a "
+        f"checkpoint and exits (grace {grace:g}s)"
+    )
+    # After the worker's save, the supervisor may wait for the checkpoint mirror.
+    flush = state.get("mirror_flush_s") or 0.0
+    deadline = time.monotonic() + grace + flush + margin_s
+    while time.monotonic() < deadline:
+        state = read_state(run_dir) or {}
+        phase = effective_phase(state)
+        if phase in TERMINAL_PHASES:
+            say(f"{run_dir}: {phase} ({state.get('reason') or 'no reason'})")
+            return 0
+        if phase == DEAD:
+            say(
+                f"{run_dir}: supervisor pid {pid} exited without recording a final phase; see "
+                f"{Path(run_dir) / SUPERVISOR_LOG}"
+            )
+            return 1
+        time.sleep(poll_s)
+    state = read_state(run_dir) or {}
+    if not force:
+        say(
+            f"{run_dir} is still {effective_phase(state)} after {grace + flush + margin_s:g}s; "
+            "wait longer, or rerun with --force to kill the supervisor and the worker (progress "
+            f"since checkpoint {state.get('last_checkpoint_step')} is lost)"
+        )
+        return 1
+    worker = state.get("worker_pid")
+    if process_matches(worker, state.get("worker_create_time")):
+        _kill_group(worker)
+    if process_matches(pid, state.get("supervisor_create_time")):
+        os.kill(pid, signal.SIGKILL)
+    _mark_killed(run_dir, state, f"killed by `m3run stop --force` after {grace:g}s + margin")
+    say(f"{run_dir}: killed (last complete checkpoint step {state.get('last_checkpoint_step')})")
+    return 0
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the worker's process group (it leads its own session), then the pid itself."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _mark_killed(run_dir: Path, state: dict, reason: str) -> None:
+    """Record a forced stop the supervisor could not record itself."""
+    state = dict(state)
+    state.update(phase=STOPPED, reason=reason, worker_pid=None, updated_at=time.time())
+    atomic_write_json(Path(run_dir) / STATE_FILE, state)
+    append_jsonl(
+        Path(run_dir) / EVENTS_FILE,
+        {"time": time.time(), "event": "stopped", "reason": reason, "forced": True},
+    )
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def log_path(run_dir: Path, supervisor: bool = False) -> Path:
+    return Path(run_dir) / (SUPERVISOR_LOG if supervisor else WORKER_LOG)
+
+
+def tail_text(path: Path, lines: int) -> str:
+    """The last `lines` lines of a file (reads at most the last 4 MiB)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - (4 << 20)))
+        data = f.read().decode("utf-8", errors="replace")
+    return "".join(data.splitlines(keepends=True)[-lines:]) if lines > 0 else ""
+
+
+def follow(
+    path: Path,
+    run_dir: Path,
+    offset: int,
+    write: Callable[[str], Any] = sys.stdout.write,
+    poll_s: float = 0.25,
+    idle_exit_s: float = 1.0,
+) -> None:
+    """Print what is appended to `path` from `offset` on, until the run is no longer active
+    (then drain for `idle_exit_s`) or the user interrupts."""
+    idle_since: float | None = None
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        if data:
+            offset += len(data)
+            write(data.decode("utf-8", errors="replace"))
+            if hasattr(sys.stdout, "flush"):
+                sys.stdout.flush()
+        if effective_phase(read_state(run_dir)) in ACTIVE_PHASES:
+            idle_since = None
+        elif not data:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= idle_exit_s:
+                return
+        time.sleep(poll_s)

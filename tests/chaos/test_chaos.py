@@ -1,0 +1,375 @@
+"""Chaos: kill, hang, poison and preempt real supervised training runs (`m3run launch` over the
+real worker, configs/demo_cpu.yaml shrunk to a seconds-long run) and check the run heals.
+
+Every run here is the same tiny deterministic config, so the uninterrupted reference run's
+final weights (the sha256 recorded in its last checkpoint's meta.json) are what every healed
+run must end with, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+
+from runner.checkpoint import list_checkpoints
+from runner.protocol import (
+    EXIT_OK,
+    EXIT_SOFTWARE,
+    EXIT_STOPPED,
+    FAULT_ENV,
+    FAULT_SCOPE_ENV,
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    STATE_FILE,
+    WORKER_LOG,
+    read_json,
+    read_jsonl,
+)
+
+pytestmark = pytest.mark.slow
+
+TOTAL_STEPS = 24
+INTERVAL = 4
+SUPERVISOR = {
+    "supervisor.smoke": "false",
+    "supervisor.preemption_provider": "none",
+    "supervisor.backoff_initial_s": 0.1,
+    "supervisor.backoff_max_s": 0.5,
+    "supervisor.stop_grace_s": 20,
+}
+
+
+def overrides(corpus: Path, **extra) -> list[str]:
+    return tiny_run_overrides(
+        corpus,
+        **{
+            "train.total_steps": TOTAL_STEPS,
+            "log.heartbeat_interval_s": 0.05,
+            "checkpoint.interval_steps": INTERVAL,
+            "checkpoint.keep_last": 4,
+            **SUPERVISOR,
+            **extra,
+        },
+    )
+
+
+def fast_env(**extra: str) -> dict:
+    # One intra-op thread per process: on a 2-core machine the tiny model trains several times
+    # faster than with torch's default thread pool (and the reference uses the same setting).
+    return worker_env(OMP_NUM_THREADS="1", **extra)
+
+
+class Run:
+    """One `m3run launch` in the foreground, in a subprocess, its output kept in a file."""
+
+    def __init__(self, run_dir: Path, sets: list[str], *extra: str, env: dict | None = None):
+        self.run_dir = run_dir
+        self.out = run_dir.parent / f"{run_dir.name}.launch.{time.monotonic_ns()}.txt"
+        argv = [
+            sys.executable,
+            "-m",
+            "runner.cli",
+            "launch",
+            str(DEMO_CONFIG),
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ]
+        for kv in sets:
+            argv += ["--set", kv]
+        with open(self.out, "w") as f:
+            self.proc = subprocess.Popen(
+                argv, stdout=f, stderr=subprocess.STDOUT, env=env or fast_env(), cwd=REPO
+            )
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"launch did not end in {timeout}s:\n{self.output()}") from None
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def state(self) -> dict:
+        return read_json(self.run_dir / STATE_FILE) or {}
+
+    def heartbeat(self) -> dict:
+        return read_json(self.run_dir / HEARTBEAT_FILE) or {}
+
+    def wait_for(self, predicate, what: str, timeout: float = 90, poll_s: float = 0.02) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"launch exited {self.proc.returncode} while waiting for "
+                    f"{what}:\n{self.output()}"
+                )
+            time.sleep(poll_s)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.output()}")
+
+    def worker_at(self, min_step: int, after_pid: int | None = None) -> int:
+        """Wait for a worker (other than after_pid) training at min_step or later; its pid
+        (under torchrun, torchrun's)."""
+
+        def ready():
+            state, hb = self.state(), self.heartbeat()
+            pid = state.get("worker_pid")
+            if (
+                pid
+                and pid != after_pid
+                and hb.get("ts", 0) >= state["worker_started_at"]
+                and hb.get("step", -1) >= min_step
+                and hb.get("phase") == "training"
+            ):
+                return pid
+            return None
+
+        return self.wait_for(ready, f"a worker at step >= {min_step}", poll_s=0.005)
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The tensors of the checkpoint of the last step (compared with torch.equal: the
+    safetensors header may order its metadata differently between processes)."""
+    from safetensors.torch import load_file
+
+    info = [c for c in list_checkpoints(run_dir) if c.complete][-1]
+    assert info.step == TOTAL_STEPS, f"last checkpoint is step {info.step}"
+    return load_file(str(info.path / "model.safetensors"))
+
+
+def assert_same_weights(run_dir: Path, reference: Path, context: str = "") -> None:
+    import torch
+
+    a, b = final_weights(run_dir), final_weights(reference)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"tensors differ from the uninterrupted run: {differ} {context}"
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the last train record for each step (a re-trained step overwrites)."""
+    return {
+        r["step"]: r["loss"] for r in read_jsonl(run_dir / METRICS_FILE) if r.get("kind") == "train"
+    }
+
+
+def resumed_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(run_dir / METRICS_FILE) if r.get("kind") == "resume"]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run = Run(run_dir, overrides(corpus))
+    assert run.wait() == EXIT_OK, run.output()
+    assert run.state()["phase"] == "finished"
+    return run_dir
+
+
+def test_sigkill_worker_three_times_ends_bitwise_equal(corpus, reference, tmp_path):
+    rng = random.Random(os.getpid())
+    run = Run(tmp_path / "run", overrides(corpus))
+    pid, killed_at = None, []
+    for low, high in ((2, 6), (8, 12), (14, 17)):
+        pid = run.worker_at(rng.randint(low, high), after_pid=pid)
+        killed_at.append(run.heartbeat()["step"])
+        os.kill(pid, signal.SIGKILL)
+    assert run.wait() == EXIT_OK, run.output()
+    state = run.state()
+    assert state["phase"] == "finished"
+    assert [r["kind"] for r in state["restarts"]] == ["crash"] * 3, state["restarts"]
+    assert all("killed by SIGKILL" in r["reason"] for r in state["restarts"])
+    assert_same_weights(run.run_dir, reference, f"(killed at steps {killed_at})")
+    ref = train_losses(reference)
+    assert train_losses(run.run_dir) == ref
+
+
+def test_sigterm_saves_stops_and_relaunch_resumes_exactly(corpus, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(run_dir, overrides(corpus))
+    run.worker_at(4)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == EXIT_OK, run.output()
+    state = run.state()
+    assert state["phase"] == "stopped" and "worker saved and exited 75" in state["reason"]
+    stopped_at = state["last_checkpoint_step"]
+    assert 4 <= stopped_at < TOTAL_STEPS
+    assert [c.step for c in list_checkpoints(run_dir) if c.complete][-1] == stopped_at
+
+    again = Run(run_dir, overrides(corpus))
+    assert again.wait() == EXIT_OK, again.output()
+    assert resumed_steps(run_dir) == [stopped_at]
+    assert_same_weights(run_dir, reference)
+    assert train_losses(run_dir) == train_losses(reference)
+
+
+def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(corpus, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir, ignore=shutil.ignore_patterns("supervisor.lock"))
+    newest = run_dir / "checkpoints" / f"step_{TOTAL_STEPS:08d}" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    run = Run(run_dir, overrides(corpus))
+    assert run.wait() == EXIT_OK, run.output()
+    previous = TOTAL_STEPS - INTERVAL
+    assert resumed_steps(run_dir) == [previous]
+    assert f"step_{previous:08d}" in (run_dir / WORKER_LOG).read_text()
+    # Retrained from the previous checkpoint to the same weights.
+    assert_same_weights(run_dir, reference)
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert any(
+        e["event"] == "checkpoint_incomplete" and e.get("step") == TOTAL_STEPS for e in events
+    )
+
+
+def test_kill_during_checkpoint_write_never_loads_the_torn_one(corpus, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    # The first worker's checkpoint writes pause mid-write (data files written, meta.json not).
+    env = fast_env(**{FAULT_ENV: "slow_save=1.0", FAULT_SCOPE_ENV: "first"})
+    run = Run(run_dir, overrides(corpus), env=env)
+    ckpts = run_dir / "checkpoints"
+    pid = run.worker_at(1)
+
+    def later_write() -> str | None:
+        """The temp directory of a checkpoint write after the first one, once one appears."""
+        with contextlib.suppress(FileNotFoundError):
+            for p in ckpts.iterdir():
+                m = re.match(r"\.tmp-step_(\d+)-", p.name)
+                if m and int(m.group(1)) >= 2 * INTERVAL:
+                    return p.name
+        return None
+
+    torn = run.wait_for(later_write, "a checkpoint being written", poll_s=0.0005)
+    os.kill(pid, signal.SIGKILL)
+    torn_step = int(re.match(r"\.tmp-step_(\d+)-", torn).group(1))
+    complete = [c.step for c in list_checkpoints(run_dir) if c.complete]
+    assert (ckpts / torn).exists() and torn_step not in complete
+    assert run.wait() == EXIT_OK, run.output()
+    # Resumed from the newest checkpoint that was complete at the kill, never the torn one.
+    assert complete and resumed_steps(run_dir) == [complete[-1]]
+    assert complete[-1] < torn_step
+    assert_same_weights(run_dir, reference)
+    assert not (ckpts / torn).exists()  # the next save cleaned the leftover up
+
+
+def test_nan_exit_rolls_back_with_lower_lr_and_heals(corpus, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    nan_from = 2 * INTERVAL + 2
+    env = fast_env(**{FAULT_ENV: f"nan_from_step={nan_from}", FAULT_SCOPE_ENV: "first"})
+    sets = overrides(
+        corpus,
+        **{
+            "train.nan_max_consecutive": 1,
+            "train.nan_max_rollbacks": 1,
+            "supervisor.nan_lr_factor": 0.5,
+        },
+    )
+    run = Run(run_dir, sets, env=env)
+    assert run.wait() == EXIT_OK, run.output()
+    state = run.state()
+    (restart,) = state["restarts"]
+    # Checkpoints 4 and 8 existed; the rollback skips 8 and resumes 4 at half the LR.
+    assert restart["kind"] == "nan" and restart["exit_code"] == 76
+    assert restart["resume"] == str(INTERVAL) and restart["lr_scale"] == 0.5
+    assert f"--resume {INTERVAL} --lr-scale 0.5" in (run_dir / WORKER_LOG).read_text()
+    assert resumed_steps(run_dir)[-1] == INTERVAL
+    ref_lr = {
+        r["step"]: r["lr"] for r in read_jsonl(reference / METRICS_FILE) if r.get("kind") == "train"
+    }
+    healed_lr = [r for r in read_jsonl(run_dir / METRICS_FILE) if r.get("kind") == "train"][-1]
+    assert healed_lr["step"] == TOTAL_STEPS
+    assert healed_lr["lr"] == pytest.approx(0.5 * ref_lr[TOTAL_STEPS], rel=1e-9)
+    assert state["phase"] == "finished"
+
+
+def test_sigstop_hang_is_detected_and_healed(corpus, reference, tmp_path):
+    sets = overrides(
+        corpus, **{"supervisor.heartbeat_timeout_s": 2, "supervisor.stop_grace_s": 0.5}
+    )
+    run = Run(tmp_path / "run", sets)
+    pid = run.worker_at(4)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert run.wait() == EXIT_OK, run.output()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    (restart,) = run.state()["restarts"]
+    assert restart["kind"] == "hang" and restart["exit_code"] == -signal.SIGKILL
+    assert "no heartbeat for" in restart["reason"] and "allowance 2s" in restart["reason"]
+    assert_same_weights(run.run_dir, reference)
+
+
+@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+def test_cloud_preemption_notice_saves_and_exits_75(corpus, tmp_path, provider):
+    from fakes.metadata import FakeMetadataServer
+
+    with FakeMetadataServer(provider) as srv:
+        sets = overrides(
+            corpus,
+            **{
+                "train.total_steps": 1000,
+                "supervisor.preemption_provider": "auto",
+                "supervisor.metadata_url": srv.base_url,
+                "supervisor.preemption_poll_s": 0.2,
+            },
+        )
+        run = Run(tmp_path / "run", sets)
+        run.worker_at(2)
+        if provider == "aws":  # a second launch on the busy run dir is refused, naming the holder
+            second = Run(run.run_dir, sets)
+            assert second.wait() == 1
+            assert f"supervisor pid {run.proc.pid} holds" in second.output()
+        srv.announce()
+        assert run.wait() == EXIT_STOPPED, run.output()
+    state = run.state()
+    assert state["phase"] == "preempted"
+    assert state["reason"].startswith(f"{provider} preemption notice")
+    saved = [c.step for c in list_checkpoints(run.run_dir) if c.complete]
+    assert saved and saved[-1] == state["last_checkpoint_step"] >= 2
+    assert run.heartbeat()["step"] == saved[-1]
+
+
+def test_always_crashing_worker_backs_off_then_exits_70(corpus, tmp_path):
+    sets = overrides(corpus, **{"supervisor.no_progress_restarts": 2})
+    run = Run(tmp_path / "run", sets, env=fast_env(**{FAULT_ENV: "crash_at_startup"}))
+    assert run.wait() == EXIT_SOFTWARE, run.output()
+    state = run.state()
+    assert state["phase"] == "failed" and state["reason"].startswith("no progress: 2 restarts")
+    assert [r["backoff_s"] for r in state["restarts"]] == [0.1, 0.2]
+    assert json.dumps(state["restarts"]).count("worker crashed (exit 1)") == 2
+
+
+def test_torchrun_ranks_stop_with_exit_75(corpus, tmp_path):
+    # Two CPU ranks under torchrun: torchrun itself exits 1, the rank wrapper's records say 75.
+    sets = overrides(
+        corpus,
+        **{"distributed.nproc_per_node": 2, "train.grad_accum_steps": 2, "train.total_steps": 1000},
+    )
+    run = Run(tmp_path / "run", sets)
+    run.worker_at(3)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == EXIT_OK, run.output()
+    state = run.state()
+    assert state["phase"] == "stopped" and "worker saved and exited 75" in state["reason"]
+    assert state["last_exit"]["code"] == EXIT_STOPPED
+    assert "torch.distributed.run" in (run.run_dir / WORKER_LOG).read_text()

@@ -1,0 +1,478 @@
+"""The `m3run` commands launch, status, stop, logs, health and plot, on run directories written
+by the tests or supervised live over a stand-in worker (see test_supervisor.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_supervisor import FAST, STANDIN, _spawn_driver, make_run, wait_for
+from typer.testing import CliRunner
+
+from runner import runstate
+from runner.cli import app
+from runner.protocol import (
+    EVENTS_FILE,
+    EXIT_CONFIG,
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    STATE_FILE,
+    SUPERVISOR_LOG,
+    WORKER_LOG,
+    read_json,
+    read_jsonl,
+)
+from runner.supervisor import RunLock
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "demo_cpu.yaml"
+runner_ = CliRunner()
+
+
+def invoke(*args: str):
+    return runner_.invoke(app, [str(a) for a in args])
+
+
+def me() -> tuple[int, float]:
+    return os.getpid(), psutil.Process().create_time()
+
+
+def write_run(
+    run_dir: Path, phase: str = "running", *, alive: bool = True, hb_age: float = 1.0, **state
+) -> Path:
+    """A run dir as a supervisor would leave it; `alive` = this test process plays the
+    supervisor (its pid and create time are recorded), else a pid that no longer exists."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if alive:
+        pid, ctime = me()
+    else:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        pid, ctime = dead.pid, time.time() - 5
+    now = time.time()
+    record = {
+        "phase": phase,
+        "supervisor_pid": pid,
+        "supervisor_create_time": ctime,
+        "worker_pid": None,
+        "worker_create_time": None,
+        "worker_started_at": now - 60,
+        "restarts": [
+            {
+                "time": now - 30,
+                "reason": "worker crashed (exit 1)",
+                "exit_code": 1,
+                "resume_step": 10,
+            }
+        ],
+        "last_checkpoint_step": 20,
+        "heartbeat_timeout_s": 10.0,
+        "stop_grace_s": 5.0,
+        "reason": None,
+        "config_hash": "abc",
+        "started_at": now - 100,
+        "updated_at": now,
+        "peak_vram_bytes": 3 * 2**30,
+        **state,
+    }
+    (run_dir / STATE_FILE).write_text(json.dumps(record))
+    (run_dir / HEARTBEAT_FILE).write_text(
+        json.dumps(
+            {
+                "pid": 1,
+                "phase": "training",
+                "step": 25,
+                "total_steps": 100,
+                "loss": 2.0,
+                "lr": 1e-3,
+                "grad_norm": 0.5,
+                "tokens_per_s": 1234.0,
+                "mfu": 0.41,
+                "vram_bytes": 2**30,
+                "step_time_s": 0.5,
+                "checkpoint_time_s": 1.0,
+                "last_checkpoint_step": 20,
+                "ts": now - hb_age,
+            }
+        )
+    )
+    with open(run_dir / METRICS_FILE, "w") as f:
+        for step in range(1, 26):
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "train",
+                        "step": step,
+                        "loss": 5 - step / 10,
+                        "ppl": 1.0,
+                        "lr": 1e-3,
+                        "grad_norm": 1.0,
+                        "tokens_per_s": 1e3,
+                        "time": now,
+                    }
+                )
+                + "\n"
+            )
+        f.write(json.dumps({"kind": "eval", "step": 20, "eval_loss": 3.1, "time": now}) + "\n")
+    return run_dir
+
+
+def test_every_command_has_help():
+    for cmd in ("launch", "status", "stop", "logs", "health", "plot"):
+        result = invoke(cmd, "--help")
+        assert result.exit_code == 0, (cmd, result.output)
+        assert "Usage" in result.output
+    assert invoke("--help").exit_code == 0
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_status_json_of_a_running_run(tmp_path):
+    run_dir = write_run(tmp_path / "r")
+    result = invoke("status", run_dir, "--json", "--no-gpu")
+    assert result.exit_code == 0, result.output
+    st = json.loads(result.output)
+    assert st["phase"] == "running" and st["supervisor_pid"] == os.getpid()
+    assert (st["step"], st["total_steps"], st["loss"]) == (25, 100, 2.0)
+    assert st["ppl"] == pytest.approx(7.389, rel=1e-3)
+    assert st["eta_s"] == pytest.approx(37.5)
+    assert st["last_checkpoint_step"] == 20 and len(st["restarts"]) == 1
+    assert st["heartbeat_age_s"] == pytest.approx(1.0, abs=0.5)
+    for key in ("lr", "tokens_per_s", "mfu", "worker_pid", "heartbeat_timeout_s"):
+        assert key in st
+
+
+def test_status_text_shows_progress_and_restarts(tmp_path):
+    result = invoke("status", write_run(tmp_path / "r"), "--no-gpu")
+    assert result.exit_code == 0
+    out = result.output
+    assert "phase      running" in out and "step       25/100" in out
+    assert "MFU 41.0%" in out and "worker crashed (exit 1)" in out
+    assert "last complete step 20" in out
+
+
+def test_status_reports_a_dead_supervisor(tmp_path):
+    run_dir = write_run(tmp_path / "r", alive=False)
+    st = json.loads(invoke("status", run_dir, "--json", "--no-gpu").output)
+    assert st["phase"] == runstate.DEAD and st["recorded_phase"] == "running"
+    assert "(not running)" in invoke("status", run_dir, "--no-gpu").output
+
+
+def test_status_finds_runs_by_name_and_latest(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("status")
+    assert result.exit_code == 1 and "no run found under runs/" in result.output
+    write_run(tmp_path / "runs" / "old", phase="finished")
+    time.sleep(0.01)
+    write_run(tmp_path / "runs" / "new", phase="stopped")
+    assert json.loads(invoke("status", "old", "--json", "--no-gpu").output)["phase"] == "finished"
+    assert json.loads(invoke("status", "--json", "--no-gpu").output)["phase"] == "stopped"
+    result = invoke("status", "nope")
+    assert result.exit_code == 1 and "run 'nope' not found" in result.output
+    assert "new, old" in result.output
+
+
+def test_status_watch_ends_with_the_run(tmp_path):
+    run_dir = write_run(tmp_path / "r", phase="finished")
+    result = invoke("status", run_dir, "--watch", "--json", "--no-gpu")
+    assert result.exit_code == 0 and json.loads(result.output)["phase"] == "finished"
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+@pytest.mark.parametrize(
+    ("phase", "alive", "hb_age", "expect"),
+    [
+        ("running", True, 1.0, 0),
+        ("running", True, 10.0 + runstate.LIVENESS_SLACK_S + 5, 1),  # stale heartbeat
+        ("running", False, 1.0, 1),  # supervisor gone
+        ("restarting", True, 999.0, 0),  # between workers the heartbeat is old by design
+        ("finished", True, 1.0, 1),
+    ],
+)
+def test_health_liveness(tmp_path, phase, alive, hb_age, expect):
+    run_dir = write_run(tmp_path / "r", phase=phase, alive=alive, hb_age=hb_age)
+    result = invoke("health", "--liveness", run_dir)
+    assert result.exit_code == expect, result.output
+    assert ("alive:" if expect == 0 else "NOT ALIVE:") in result.output
+
+
+def test_health_liveness_never_touches_the_gpu(tmp_path, monkeypatch):
+    # A fake NVML that would hang forever if anything probed it.
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps({"hang": True, "devices": [{}]}))
+    monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
+    run_dir = write_run(tmp_path / "r")
+    t0 = time.monotonic()
+    assert invoke("health", "--liveness", run_dir).exit_code == 0
+    assert invoke("status", run_dir, "--json", "--no-gpu").exit_code == 0
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize(
+    ("spec", "code", "verdict"),
+    [
+        ({"devices": [{}]}, 0, "healthy"),
+        ({"devices": [{"ecc_uncorrected": 2}]}, 69, "unhealthy"),
+    ],
+)
+def test_health_one_shot(tmp_path, monkeypatch, spec, code, verdict):
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps(spec))
+    monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
+    result = invoke("health", "--json")
+    assert result.exit_code == code, result.output
+    assert json.loads(result.output)["verdict"] == verdict
+
+
+# --------------------------------------------------------------------------- stop
+
+
+def test_stop_on_a_run_that_is_not_running(tmp_path):
+    result = invoke("stop", write_run(tmp_path / "a", phase="finished"))
+    assert result.exit_code == 1 and "is not running: phase finished" in result.output
+    result = invoke("stop", write_run(tmp_path / "b", alive=False))
+    assert result.exit_code == 1 and "is gone" in result.output
+    (tmp_path / "c").mkdir()
+    result = invoke("stop", tmp_path / "c")
+    assert result.exit_code == 1 and "no supervisor has run there" in result.output
+
+
+def test_stop_a_live_run(tmp_path):
+    standin = tmp_path / "standin.py"
+    standin.write_text(STANDIN)
+    run_dir = make_run(tmp_path, [{"steps": 10**6}])
+    proc = _spawn_driver(tmp_path, run_dir, standin)
+    try:
+        wait_for(
+            lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 2,
+            what="the worker to train",
+        )
+        result = invoke("stop", run_dir)
+        assert result.exit_code == 0, result.output
+        assert "stopped (" in result.output
+        assert proc.wait(timeout=10) == 0
+        assert read_json(run_dir / STATE_FILE)["phase"] == runstate.STOPPED
+        # Stopping again: not running.
+        assert invoke("stop", run_dir).exit_code == 1
+    finally:
+        proc.kill()
+
+
+def test_stop_grace_caps_the_workers_save_time(tmp_path):
+    standin = tmp_path / "standin.py"
+    standin.write_text(STANDIN)
+    run_dir = make_run(tmp_path, [{"steps": 10**6, "ignore_term": True}])
+    proc = _spawn_driver(tmp_path, run_dir, standin, stop_grace_s=60.0)
+    try:
+        wait_for(
+            lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 1,
+            what="the worker to train",
+        )
+        t0 = time.monotonic()
+        result = invoke("stop", run_dir, "--grace", "0.5")
+        assert result.exit_code == 0, result.output
+        assert time.monotonic() - t0 < 10
+        assert "within the 0.5s stop grace" in read_json(run_dir / STATE_FILE)["reason"]
+    finally:
+        proc.kill()
+
+
+def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
+    # A "supervisor" that ignores SIGTERM, and its "worker".
+    stubborn = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    ]
+    sup = subprocess.Popen(stubborn)
+    worker = subprocess.Popen(stubborn, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        run_dir = write_run(
+            tmp_path / "r",
+            supervisor_pid=sup.pid,
+            supervisor_create_time=psutil.Process(sup.pid).create_time(),
+            worker_pid=worker.pid,
+            worker_create_time=psutil.Process(worker.pid).create_time(),
+        )
+        said: list[str] = []
+        code = runstate.stop_run(run_dir, grace_s=0.2, force=False, say=said.append, margin_s=0.3)
+        assert code == 1 and "rerun with --force" in said[-1]
+        code = runstate.stop_run(run_dir, grace_s=0.2, force=True, say=said.append, margin_s=0.3)
+        assert code == 0
+        assert sup.wait(timeout=5) == -signal.SIGKILL
+        assert worker.wait(timeout=5) == -signal.SIGKILL
+        state = read_json(run_dir / STATE_FILE)
+        assert state["phase"] == runstate.STOPPED and "--force" in state["reason"]
+        assert read_jsonl(run_dir / EVENTS_FILE)[-1]["forced"] is True
+    finally:
+        sup.kill()
+        worker.kill()
+
+
+def test_stop_refuses_a_reused_pid(tmp_path):
+    # Our pid with the wrong create time: a different process now owns the pid.
+    run_dir = write_run(tmp_path / "r", supervisor_create_time=time.time() - 10**6)
+    result = invoke("stop", run_dir)
+    assert result.exit_code == 1 and "is gone" in result.output
+
+
+# --------------------------------------------------------------------------- logs & plot
+
+
+def test_logs_tail_and_follow(tmp_path):
+    run_dir = write_run(tmp_path / "r", phase="finished")
+    (run_dir / WORKER_LOG).write_text("".join(f"line {i}\n" for i in range(100)))
+    (run_dir / SUPERVISOR_LOG).write_text('{"event": "launch"}\n')
+    result = invoke("logs", run_dir, "-n", "3")
+    assert result.exit_code == 0 and result.output == "line 97\nline 98\nline 99\n"
+    assert invoke("logs", run_dir, "--supervisor").output == '{"event": "launch"}\n'
+    # -f on a run that is over prints the tail and returns.
+    assert invoke("logs", run_dir, "-f", "-n", "1").output == "line 99\n"
+    result = invoke("logs", write_run(tmp_path / "empty"))
+    assert result.exit_code == 1 and "does not exist yet" in result.output
+
+
+def test_logs_follow_streams_until_the_run_ends(tmp_path):
+    run_dir = write_run(tmp_path / "r", phase="running")
+    log = run_dir / WORKER_LOG
+    log.write_text("first\n")
+    seen: list[str] = []
+
+    def writer():
+        time.sleep(0.5)
+        with open(log, "a") as f:
+            f.write("second\n")
+        time.sleep(0.5)
+        state = read_json(run_dir / STATE_FILE)
+        (run_dir / STATE_FILE).write_text(json.dumps({**state, "phase": "finished"}))
+
+    import threading
+
+    t = threading.Thread(target=writer)
+    t.start()
+    runstate.follow(
+        log, run_dir, offset=log.stat().st_size, write=seen.append, poll_s=0.05, idle_exit_s=0.2
+    )
+    t.join()
+    assert "".join(seen) == "second\n"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="m3run plot needs matplotlib (not a declared dep)")
+    run_dir = write_run(tmp_path / "r", phase="finished")
+    result = invoke("plot", run_dir)
+    assert result.exit_code == 0, result.output
+    png = Path(result.output.strip())
+    assert png == run_dir / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "x.png"
+    assert invoke("plot", run_dir, "--out", out).exit_code == 0 and out.is_file()
+
+
+def test_plot_without_metrics_fails_clearly(tmp_path):
+    (tmp_path / "r").mkdir()
+    result = invoke("plot", tmp_path / "r")
+    assert result.exit_code == 1 and "no metrics to plot" in result.output
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def test_launch_refuses_a_busy_run_dir(tmp_path):
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    lock = RunLock(run_dir)
+    lock.acquire()
+    try:
+        result = invoke("launch", DEMO, "--run-dir", run_dir)
+        assert result.exit_code == 1
+        assert f"supervisor pid {os.getpid()} holds" in result.output
+        # The detached path reports the daemon's refusal the same way.
+        result = invoke("launch", DEMO, "--run-dir", run_dir, "--detach")
+        assert result.exit_code == 1, result.output
+        assert f"supervisor pid {os.getpid()} holds" in result.output
+    finally:
+        lock.release()
+
+
+def test_launch_argument_errors(tmp_path):
+    result = invoke("launch", DEMO, "--run-dir", tmp_path / "a", "--name", "b")
+    assert result.exit_code == 2 and "not both" in result.output
+    result = invoke("launch", DEMO, "--run-dir", tmp_path / "a", "--resume", "newest")
+    assert (
+        result.exit_code == 2 and "--resume must be latest, none or a step number" in result.output
+    )
+    result = invoke("launch", DEMO, "--name", "a/b")
+    assert result.exit_code == 2 and "plain directory name" in result.output
+
+
+def test_launch_bad_and_changed_config_exit_78(tmp_path):
+    run_dir = tmp_path / "r"
+    result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=-1")
+    assert result.exit_code == EXIT_CONFIG and "train.lr" in result.output
+    (run_dir / "config.yaml").write_text(DEMO.read_text())
+    result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=0.01")
+    assert result.exit_code == EXIT_CONFIG
+    assert "config changed" in result.output and "train.lr: 0.003 -> 0.01" in result.output
+
+
+def test_light_commands_never_import_torch(tmp_path):
+    run_dir = write_run(tmp_path / "r", phase="finished")
+    (run_dir / WORKER_LOG).write_text("x\n")
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from runner.cli import app\n"
+        f"d = {str(run_dir)!r}\n"
+        "for args in (['status', d, '--json'], ['status', d], ['stop', d], ['logs', d],\n"
+        "             ['health', '--liveness', d], ['health']):\n"
+        "    CliRunner().invoke(app, args, catch_exceptions=False)\n"
+        "assert 'torch' not in sys.modules, 'a light command imported torch'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_fast_settings_are_plain_config_fields():
+    # The stand-in driver passes FAST to SupervisorSettings; all but the internal knobs are
+    # real config fields, so what the tests exercise is what a config can set.
+    from runner.config import SupervisorConfig
+
+    internal = {"min_heartbeat_timeout_s", "poll_s", "heartbeat_interval_s"}
+    assert set(FAST) - internal <= set(SupervisorConfig.model_fields)
+
+
+def test_health_liveness_catches_a_stuck_supervisor(tmp_path):
+    # Alive pid, fresh heartbeat, but the supervisor stopped refreshing state.json long ago.
+    run_dir = write_run(
+        tmp_path / "r",
+        phase="restarting",
+        updated_at=time.time() - runstate.SUPERVISOR_STALE_S - 60,
+    )
+    result = invoke("health", "--liveness", run_dir)
+    assert result.exit_code == 1 and "it is stuck" in result.output
+
+
+def test_health_one_shot_can_tolerate_a_training_run_on_the_gpu(tmp_path, monkeypatch):
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps({"devices": [{"processes": [{"pid": 4242, "used_mib": 1000}]}]}))
+    monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
+    assert invoke("health").exit_code == 69  # what a launch would see: the GPU is taken
+    assert invoke("health", "--allow-processes").exit_code == 0
