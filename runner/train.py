@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import signal
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,13 @@ from .protocol import (
     atomic_write_json,
     heartbeat_file,
 )
+
+# A background checkpoint write running longer than max(this, 10 × the longest one so far) is
+# treated as stuck: waiting for it no longer refreshes the heartbeat (see Trainer._wait_for_save).
+_WRITE_HANG_S = 600.0
+# Exit code of a worker whose checkpoint could not be written: a crash, so the supervisor
+# restarts it from the latest complete checkpoint (any code outside the protocol's is a crash).
+EXIT_SAVE_FAILED = 1
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
 _BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
@@ -153,6 +163,9 @@ class Faults:
 
     spec: dict[str, str]
     fired: list[str]
+    # Run before a crash fault exits: the trainer finishes a checkpoint write in flight, as any
+    # crash that unwinds Python does (Trainer.close); SIGKILL is what loses an in-flight write.
+    before_crash: Callable[[], object] | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -175,6 +188,8 @@ class Faults:
     def before_step(self, step: int) -> None:
         if self._once("crash_at_step", step):
             print(f"[fault] crash before step {step}", flush=True)
+            if self.before_crash is not None:
+                self.before_crash()
             os._exit(1)
         if self._once("hang_at_step", step):
             print(f"[fault] hang before step {step}", flush=True)
@@ -194,6 +209,14 @@ class Faults:
     @property
     def slow_save(self) -> float:
         return float(self.spec.get("slow_save", 0.0))
+
+    def during_save(self, step: int) -> None:
+        """Called mid-write (data files written, meta.json not yet), on the writer's thread."""
+        if self.slow_save:
+            time.sleep(self.slow_save)
+        if self._once("save_error_at_step", step):
+            print(f"[fault] checkpoint write error at step {step}", flush=True)
+            raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -235,8 +258,16 @@ class Trainer:
         self.lr_scale = 1.0
         self.nan_rollbacks = 0
         self.skip_positions: list[int] = []  # data positions of windows that produced NaN
-        self.last_checkpoint_step: int | None = None
-        self.checkpoint_time_s: float | None = None
+        self.last_checkpoint_step: int | None = None  # complete on disk: never one being written
+        self.checkpoint_time_s: float | None = None  # training stall of the latest save
+        self.checkpoint_write_s: float | None = None  # write time of the latest complete save
+        # checkpoint.async_save: the background writer (writer ranks), its reused host buffers,
+        # and on non-writer ranks the step whose write is not yet known to be complete.
+        self._writer = ckpt.BackgroundWriter()
+        self._snapshot_buffers = ckpt.SnapshotBuffers()
+        self._unconfirmed_step: int | None = None
+        self._longest_write_s = 0.0
+        self.faults.before_crash = self._writer.join
         self.step_time_s: float | None = None
         self.last: dict = {}
         self.tracker = None
@@ -477,10 +508,55 @@ class Trainer:
 
     # ---- checkpoints ----
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Checkpoint the current step.
+
+        checkpoint.async_save=false: write it here (training stalls for the whole write) and
+        return its directory. async_save=true (the default): wait for the previous background
+        write if it is still running (that wait is stall too), copy model and optimizer state
+        into the reused host buffers, hand the write to the background thread and return None.
+        Either way the step is reported (heartbeat `last_checkpoint_step`, the "saved checkpoint"
+        line) only once the checkpoint is complete on disk: `poll_save()` reports a finished
+        background write before the next step, `finish_saves()` waits for it."""
         prev_phase = self.phase
         self.set_phase("checkpointing")
         t0 = time.perf_counter()
+        background = self.cfg.checkpoint.async_save
+        if background:
+            self._wait_for_save()  # at most one write in flight: its buffers are reused below
+        step, path, result = self.step, None, None
+        if self.dist.writer:
+            state, meta = self._checkpoint_state()
+            model_state = self.model.state_dict()
+            if background:
+                cpu_model, cpu_optim = ckpt.snapshot(
+                    model_state, state, buffers=self._snapshot_buffers
+                )
+                self._writer.submit(step, self._write_job(step, cpu_model, cpu_optim, meta))
+            else:
+                cpu_model, cpu_optim = ckpt.snapshot(model_state, state)
+                result = ckpt.timed_write(step, self._write_job(step, cpu_model, cpu_optim, meta))
+                path = result.path
+        # Synchronous: no rank runs ahead of a checkpoint that is not on disk yet. Background:
+        # the other ranks only need this snapshot taken (and, by the wait above, the previous
+        # write complete); the write itself is not waited for here.
+        self.dist.barrier()
+        self.checkpoint_time_s = time.perf_counter() - t0
+        if not self.dist.writer:
+            if background:  # the writers finished the previous write before that barrier
+                if self._unconfirmed_step is not None:
+                    self.last_checkpoint_step = self._unconfirmed_step
+                self._unconfirmed_step = step
+            else:
+                self.last_checkpoint_step = step
+        self.set_phase(prev_phase)
+        if result is not None:
+            self._report_saved(result)
+        return path
+
+    def _checkpoint_state(self) -> tuple[dict, dict]:
+        """(optim.pt state, meta.json fields) of the current step. The tensors in the state are
+        the live ones: `ckpt.snapshot` copies them before training goes on."""
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -505,22 +581,96 @@ class Trainer:
             },
             "loss": self.last.get("loss"),
         }
-        if self.faults.slow_save:
-            time.sleep(self.faults.slow_save)
-        path = None
+        return state, meta
+
+    def _write_job(self, step: int, cpu_model: dict, cpu_optim: dict, meta: dict):
+        """The disk half of a save, on the writer thread or inline: the atomic triple, then
+        retention. Reads only the snapshot and values captured here, never the live trainer."""
+        run_dir, keep = self.run_dir, self.cfg.checkpoint.keep_last
+        protect = {self.resumed_from} if self.resumed_from is not None else set()
+        faults = self.faults
+
+        def job() -> Path:
+            path = ckpt.write_checkpoint(
+                run_dir, step, cpu_model, cpu_optim, meta,
+                before_meta=lambda: faults.during_save(step),
+            )  # fmt: skip
+            try:
+                ckpt.apply_retention(run_dir, keep, protect=protect)
+            except OSError as e:
+                raise ckpt.CheckpointError(
+                    f"checkpoint step {step} is complete at {path}, but deleting older "
+                    f"checkpoints (checkpoint.keep_last={keep}) failed: {e}. Check write "
+                    f"permission and free space under {path.parent}"
+                ) from e
+            return path
+
+        return job
+
+    def _report_saved(self, result: ckpt.SaveResult) -> None:
+        """The checkpoint of `result.step` is complete on disk: now, and only now, say so."""
+        self.last_checkpoint_step = result.step
+        self.checkpoint_write_s = result.write_s
+        self._longest_write_s = max(self._longest_write_s, result.write_s)
         if self.dist.writer:
-            path = ckpt.save_checkpoint(
-                self.run_dir, self.step, self.model.state_dict(), state, meta
+            size = f"{result.bytes / 2**20:.1f} MiB"
+            if self.cfg.checkpoint.async_save:
+                print(
+                    f"saved checkpoint step {result.step} ({size}): training stalled "
+                    f"{self.checkpoint_time_s or 0.0:.2f}s, written in the background in "
+                    f"{result.write_s:.2f}s",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"saved checkpoint step {result.step} in {self.checkpoint_time_s or 0.0:.2f}s "
+                    f"({size})",
+                    flush=True,
+                )
+        self.heartbeat(force=True)
+
+    def poll_save(self) -> None:
+        """Report a background write that finished since the last call; re-raise its failure
+        (CheckpointError) here, in the training loop, before the next step."""
+        if self._writer.finished():
+            self._report_saved(self._writer.result())
+
+    def _wait_for_save(self) -> None:
+        """Block until the background write in flight (if any) is complete on disk and report
+        it; CheckpointError if it failed. A slow disk is not a hung worker, so the heartbeat goes
+        on while waiting, but only up to max(10 min, 10 × the longest write so far): a write
+        stuck longer than that stops the heartbeat and the supervisor's hang detection acts."""
+        w = self._writer
+        if w.pending_step is None:
+            return
+        prev_phase = self.phase
+        if w.running():
+            print(
+                f"waiting for checkpoint step {w.pending_step} to finish writing "
+                f"({w.elapsed_s:.1f}s so far)",
+                flush=True,
             )
-            protect = {self.resumed_from} if self.resumed_from is not None else set()
-            ckpt.apply_retention(self.run_dir, self.cfg.checkpoint.keep_last, protect=protect)
-        self.dist.barrier()  # no rank runs ahead of a checkpoint that is not on disk yet
-        self.checkpoint_time_s = time.perf_counter() - t0
-        self.last_checkpoint_step = self.step
-        self.set_phase(prev_phase)
-        if self.dist.writer:
-            print(f"saved checkpoint step {self.step} in {self.checkpoint_time_s:.2f}s", flush=True)
-        return path
+            if prev_phase == "training":
+                self.set_phase("checkpointing")
+        poll_s = max(0.05, self.cfg.log.heartbeat_interval_s)
+        bound_s = max(_WRITE_HANG_S, 10 * self._longest_write_s)
+        while not w.join(timeout=poll_s):
+            if w.elapsed_s < bound_s:
+                self.heartbeat(force=True)
+        if self.phase != prev_phase:
+            self.set_phase(prev_phase)
+        self._report_saved(w.result())
+
+    def finish_saves(self) -> None:
+        """Wait until no checkpoint write is in flight: the stop path, the end of training and a
+        NaN rollback call this. Under DDP every rank then waits at a barrier for the writer
+        ranks, so no rank exits (torchrun would tear the job down, write included) or reads
+        checkpoints before the writes are complete."""
+        self._wait_for_save()
+        if self.dist.enabled:
+            self.dist.barrier()
+        if self._unconfirmed_step is not None:  # non-writer ranks: the writers are done
+            self.last_checkpoint_step, self._unconfirmed_step = self._unconfirmed_step, None
 
     # ---- heartbeat / metrics ----
 
@@ -552,6 +702,8 @@ class Trainer:
                 "vram_bytes": vram,
                 "step_time_s": self.step_time_s,
                 "checkpoint_time_s": self.checkpoint_time_s,
+                "checkpoint_write_s": self.checkpoint_write_s,
+                "checkpoint_in_flight_step": self._writer.pending_step,
                 "last_checkpoint_step": self.last_checkpoint_step,
                 "ts": now,
             },
@@ -637,6 +789,7 @@ class Trainer:
                 f"{self.nan_rollbacks - 1} in-process rollbacks did not heal the non-finite "
                 f"loss/gradients at step {self.step + 1}"
             )
+        self.finish_saves()  # a checkpoint still being written is the one to roll back to
         info = ckpt.latest_complete(self.run_dir)
         if self.dist.enabled:
             agreed = self.dist.all_min(info.step if info is not None else -1)
@@ -697,6 +850,7 @@ class Trainer:
         window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
         run_t0, run_step0 = time.perf_counter(), self.step
         while self.step < t.total_steps:
+            self.poll_save()  # a finished background save is reported, a failed one raised
             if self._stop_agreed():
                 raise StopRequested
             out = self.train_step()
@@ -751,6 +905,7 @@ class Trainer:
                 self.save()
             paused += time.perf_counter() - t_aside
             self.heartbeat()
+        self.finish_saves()  # the final checkpoint is complete on disk before "finished"
         return EXIT_OK
 
     def _stop_agreed(self) -> bool:
@@ -761,6 +916,13 @@ class Trainer:
         return bool(self.dist.all_sum(flag).item())
 
     def close(self) -> None:
+        if self._writer.pending_step is not None:
+            # Exiting on an error with a write in flight: finish it, the state it holds is good.
+            try:
+                self._writer.join()
+                self._report_saved(self._writer.result())
+            except ckpt.CheckpointError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
         self.dist.close()
         loader = getattr(self, "loader", None)
         if loader is not None:
@@ -799,12 +961,9 @@ def run(
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except StopRequested:
-        trainer.set_phase("stopping")
-        if trainer.cfg.checkpoint.save_on_exit and trainer.last_checkpoint_step != trainer.step:
-            trainer.save()
-        trainer.set_phase("stopped")
-        print(f"stopped at step {trainer.step} with a saved checkpoint", flush=True)
-        return EXIT_STOPPED
+        return _stop(trainer)
+    except ckpt.CheckpointError as e:
+        return _save_failed(trainer, e)
     except NaNExcursion as e:
         print(f"error: NaN excursion not healed: {e}", file=sys.stderr, flush=True)
         trainer.set_phase("failed")
@@ -812,6 +971,38 @@ def run(
     finally:
         if trainer is not None:
             trainer.close()
+
+
+def _stop(trainer: Trainer) -> int:
+    """SIGTERM/SIGINT: the write in flight completes, then the stop step is saved (unless it is
+    that one) and waited for. Exit 75 only with that checkpoint complete on disk."""
+    trainer.set_phase("stopping")
+    try:
+        trainer.finish_saves()
+        if trainer.cfg.checkpoint.save_on_exit and trainer.last_checkpoint_step != trainer.step:
+            trainer.save()
+            trainer.finish_saves()
+    except ckpt.CheckpointError as e:
+        return _save_failed(trainer, e)
+    trainer.set_phase("stopped")
+    print(f"stopped at step {trainer.step} with a saved checkpoint", flush=True)
+    return EXIT_STOPPED
+
+
+def _save_failed(trainer: Trainer | None, e: ckpt.CheckpointError) -> int:
+    last = trainer.last_checkpoint_step if trainer is not None else None
+    since = f"step {last}" if last is not None else "none yet, so from the start"
+    print(
+        f"error: {e}\nThe worker exits with code {EXIT_SAVE_FAILED} (a crash) so that the "
+        f"supervisor restarts it from the latest complete checkpoint ({since}). If this "
+        "repeats, fix the cause named above (disk space, permissions, the filesystem under "
+        "checkpoints/).",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not isinstance(e.__cause__, (OSError, ckpt.CheckpointError)):
+        traceback.print_exception(e, file=sys.stderr)  # not a disk error: show where it failed
+    return EXIT_SAVE_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
