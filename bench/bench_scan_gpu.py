@@ -1,12 +1,13 @@
-"""GPU speed of the Mamba-3 SISO scan: the Triton kernel vs the PyTorch chunked reference, forward
-and forward+backward, in one run, with the achieved memory bandwidth.
+"""GPU speed of the Mamba-3 SISO scan: the Triton kernel (both backwards, v1 and v2) vs the PyTorch
+chunked reference, forward and forward+backward, in one run, with the achieved memory bandwidth.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--no-ref] [--sweep]
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first). Bandwidth counts
 the bytes of the inputs and outputs once: forward = inputs + y; forward+backward = that +
-dy + one gradient per input. ``--sweep`` also times the kernels' launch settings.
+dy + one gradient per input. ``--sweep`` also times the kernels' launch settings. The forward
+is the same for both backwards (``M3RUN_SCAN_BWD``), so its two times check each other.
 """
 
 from __future__ import annotations
@@ -98,32 +99,56 @@ def main() -> None:
     print(f"mamba3_siso on {torch.cuda.get_device_name()}, {shape}, bf16 with d and z")
     print(f"torch {torch.__version__}, triton {__import__('triton').__version__}")
 
+    from kernels.mamba3 import triton_siso_bwd as tb
+
     if a.sweep:
         print("\nlaunch settings")
-        configs = (("fwd", ts.FWD_CONFIG), ("bwd", ts.BWD_CONFIG), ("angle", ts.ANGLE_CONFIG))
+        configs = (
+            ("fwd", ts.FWD_CONFIG), ("bwd", ts.BWD_CONFIG), ("angle", ts.ANGLE_CONFIG),
+            ("dstate", tb.DSTATE_CONFIG), ("dkv", tb.DKV_CONFIG), ("dq", tb.DQ_CONFIG),
+        )  # fmt: skip
         base = {name: dict(cfg) for name, cfg in configs}
         for ns in (1, 2):
             ts.FWD_CONFIG.update(num_warps=4, num_stages=ns)
             ms_f, _, _ = time_impl(x, "triton", a.chunk, fwd_only=True)
             print(f"  fwd warps=4 stages={ns}: {ms_f:.3f} ms")
         ts.FWD_CONFIG.update(base["fwd"])
+        ts.SCAN_BWD = "v1"
         for nw, ns, anw in ((4, 1, 4), (8, 1, 4), (8, 2, 4), (8, 1, 8)):
             ts.BWD_CONFIG.update(num_warps=nw, num_stages=ns)
             ts.ANGLE_CONFIG.update(num_warps=anw)
             _, ms_fb, _ = time_impl(x, "triton", a.chunk, bwd_only=True)
-            print(f"  fwd+bwd: state warps={nw} stages={ns}, angle warps={anw}: {ms_fb:.3f} ms")
-        ts.BWD_CONFIG.update(base["bwd"])
-        ts.ANGLE_CONFIG.update(base["angle"])
+            print(f"  fwd+bwd v1: state warps={nw} stages={ns}, angle warps={anw}: {ms_fb:.3f} ms")
+        ts.SCAN_BWD = "v2"
+        for bv, dsw, kvw, qw in ((64, 4, 8, 8), (64, 4, 4, 4), (64, 4, 4, 8), (64, 4, 8, 4),
+                                 (32, 4, 8, 8), (64, 8, 8, 8)):  # fmt: skip
+            tb.DSTATE_CONFIG.update(BV=bv, num_warps=dsw)
+            tb.DKV_CONFIG.update(num_warps=kvw)
+            tb.DQ_CONFIG.update(num_warps=qw)
+            _, ms_fb, _ = time_impl(x, "triton", a.chunk, bwd_only=True)
+            print(
+                f"  fwd+bwd v2: dstate BV={bv} warps={dsw}, dkv warps={kvw}, dq warps={qw}:"
+                f" {ms_fb:.3f} ms"
+            )
+        for name, cfg in configs:
+            cfg.update(base[name])
 
-    results = {"triton": time_impl(x, "triton", a.chunk)}
+    results = {}
+    for version in ts.SCAN_BWD_VERSIONS:
+        ts.SCAN_BWD = version
+        results[f"triton {version}"] = time_impl(x, "triton", a.chunk)
     if not a.no_ref:
         results["pytorch"] = time_impl(x, "pytorch", a.chunk)
     print(f"\nforward kernel: {kernel_info(ts._siso_fwd_kernel)}")
-    print(f"backward state kernel: {kernel_info(ts._siso_bwd_state_kernel)}")
-    print(f"backward angle kernel: {kernel_info(ts._siso_bwd_angle_kernel)}")
+    print(f"v1 backward state kernel: {kernel_info(ts._siso_bwd_state_kernel)}")
+    print(f"v1 backward angle kernel: {kernel_info(ts._siso_bwd_angle_kernel)}")
+    print(f"v2 backward dstate kernel: {kernel_info(tb._siso_bwd_dstate_kernel)}")
+    print(f"v2 backward dkv kernel: {kernel_info(tb._siso_bwd_dkv_kernel)}")
+    print(f"v2 backward dq kernel: {kernel_info(tb._siso_bwd_dq_kernel)}")
+    print(f"v2 backward cumsum kernel: {kernel_info(tb._siso_bwd_cumsum_kernel)}")
 
     ref = results.get("pytorch")
-    head = (f"{'impl':8} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
+    head = (f"{'impl':9} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
             f" {'fwd x':>7} {'f+b x':>7} {'y rel err':>10}")  # fmt: skip
     print("\n" + head + "\n" + "-" * len(head))
     for name, (ms_f, ms_fb, y) in results.items():
@@ -134,11 +159,14 @@ def main() -> None:
             yr = ref[2].double()
             err = f"{((y.double() - yr).norm() / yr.norm()).item():.1e}"
         print(
-            f"{name:8} {ms_f:8.3f} {io_f / ms_f / 1e6:9.0f}"
+            f"{name:9} {ms_f:8.3f} {io_f / ms_f / 1e6:9.0f}"
             f" {ms_fb:11.3f} {io_fb / ms_fb / 1e6:7.0f}"
             f" {sp_f:>7} {sp_fb:>7} {err:>10}"
         )
-    print("(fwd x, f+b x: speed-up over the PyTorch reference; GB/s: bytes of inputs+outputs)")
+    print(
+        "(fwd x, f+b x: speed-up over the PyTorch reference; GB/s: bytes of inputs+outputs;"
+        f" default backward: {ts.SCAN_BWD_DEFAULT})"
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ plus an offset carried in registers (mod 2π); the rotation is applied to ``q + 
 ``k + k_bias`` as they are loaded: rows are read whole, split into the even ("E") and odd ("O")
 components of each pair ``(2m, 2m+1)``, rotated elementwise and joined back for the dots.
 
-Backward, in two passes per (batch, head), both in reverse chunk order:
+Backward: two versions, chosen by ``SCAN_BWD`` (env ``M3RUN_SCAN_BWD``). "v2", the default, is
+the chunk-parallel backward of :mod:`kernels.mamba3.triton_siso_bwd`. "v1", kept for
+comparison, runs in two passes per (batch, head), both in reverse chunk order:
 
 1. ``_siso_bwd_state_kernel`` carries ``dG`` (fp32) and does every dot: it recomputes the
    scores and the pre-gate output, writes ``dv``, ``dz``, the gradients of the trapezoid
@@ -33,6 +35,7 @@ one token across chunk borders), and the sums of the per-head ``q``/``k`` gradie
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +58,13 @@ CHUNK_SIZES = (16, 32, 64)
 MAX_HEADDIM = 64  # p (p = n = 128 overflows the backward's shared memory on an H200)
 MAX_DSTATE = 64  # n
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Which backward runs: "v1", the two-pass backward below, or "v2", the chunk-parallel one of
+# :mod:`kernels.mamba3.triton_siso_bwd`. Read once at import (env M3RUN_SCAN_BWD); tests and
+# benchmarks set the attribute. Checked, with a ValueError, when the scan is called.
+SCAN_BWD_VERSIONS = ("v1", "v2")
+SCAN_BWD_DEFAULT = "v2"
+SCAN_BWD = os.environ.get("M3RUN_SCAN_BWD", SCAN_BWD_DEFAULT)
 
 
 def _next_pow2(x: int) -> int:
@@ -575,6 +585,7 @@ class _SisoTriton(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0,
                                   g_in, phi_in, g_t)  # fmt: skip
             ctx.chunk_size = chunk_size
+            ctx.bwd = SCAN_BWD
         return y, phi_t, g_t
 
     @staticmethod
@@ -593,23 +604,28 @@ class _SisoTriton(torch.autograd.Function):
             dA_t = (dg_t * g_t).sum((-2, -1)).contiguous()  # ∂/∂B_T of the final state
         else:
             dA_t = torch.zeros(b, h, dtype=torch.float32, device=v.device)
-        dq, dk, dv, dz, dadt, dw, dcur, ddt, dangles, dg0, dphi0, dd = _siso_bwd(
-            q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
-            dy, dg_t, dphi_t, dA_t, ctx.chunk_size,
-        )  # fmt: skip
+        args = (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
+                dy, dg_t, dphi_t, dA_t, ctx.chunk_size)  # fmt: skip
+        if ctx.bwd == "v2":
+            from .triton_siso_bwd import siso_bwd_v2
+
+            (dq, dk, dq_bias, dk_bias, dv, dz, dadt, dw, dcur, ddt, dangles, dg0, dphi0,
+             dd) = siso_bwd_v2(*args)  # fmt: skip
+        else:
+            dq, dk, dv, dz, dadt, dw, dcur, ddt, dangles, dg0, dphi0, dd = _siso_bwd(*args)
+            dq_bias, dk_bias = dq.sum((0, 1)), dk.sum((0, 1))
+            if g != h:
+                dq, dk = dq.sum(2, keepdim=True), dk.sum(2, keepdim=True)
+            dd = dd.sum(0)
         # Trapezoid chain rule: w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1}, cur_u = λ_uΔ_u.
         lam = torch.sigmoid(trap)
         dw_prev = F.pad(dw[..., :-1], (1, 0))
         ddt = ddt + lam * (dw + dcur) + (1.0 - lam) * dw_prev
         dtrap = dt * (dw + dcur - dw_prev) * lam * (1.0 - lam)
-        dq_bias = dq.sum((0, 1))
-        dk_bias = dk.sum((0, 1))
-        if g != h:
-            dq, dk = dq.sum(2, keepdim=True), dk.sum(2, keepdim=True)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dz, dadt, ddt, dtrap,
             dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,
-            None if d is None else dd.sum(0).to(d.dtype),
+            None if d is None else dd.to(d.dtype),
             dphi0 if ctx.needs_input_grad[11] else None,
             dg0 if g0 is not None else None,
             None,
@@ -648,6 +664,8 @@ def mamba3_siso_triton(
     reason = shape_error(v, n, chunk_size)
     if reason is not None:
         raise ValueError(reason)
+    if SCAN_BWD not in SCAN_BWD_VERSIONS:
+        raise ValueError(f"M3RUN_SCAN_BWD must be one of {SCAN_BWD_VERSIONS}, got {SCAN_BWD!r}")
     if v.stride(-1) != 1:
         v = v.contiguous()
     if z is not None:

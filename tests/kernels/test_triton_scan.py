@@ -1,5 +1,7 @@
 """The Triton Mamba-3 SISO scan (kernels/mamba3/triton_siso.py) against the fp32 chunked
 reference: outputs, final states and every input gradient, by relative error ‖a − b‖/‖b‖.
+Every gradient test runs with both backwards (``M3RUN_SCAN_BWD`` = v1 | v2), and the two are
+compared with each other.
 
 The kernel takes bf16 q/k/v/z; the reference runs on fp32 copies of the same bf16 values, so
 the errors measured are the kernel's own (bf16 dot operands, fp32 accumulation). CUDA only.
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba3 import mamba3_siso
+from kernels.mamba3 import mamba3_siso, triton_siso
 
 pytestmark = [
     pytest.mark.cuda,
@@ -36,6 +38,13 @@ DECAY_GRAD_TOL = 5e-2
 # values that shrink towards the start; measured 3.7e-2 at t = 2048 (6e-3 at t = 64).
 ANGLE_GRAD_TOL = 8e-2
 SPLIT_TOL = 1e-2  # scan of [:t1] then [t1:] with the carried state vs the whole scan
+
+
+@pytest.fixture(params=triton_siso.SCAN_BWD_VERSIONS)
+def bwd(request, monkeypatch):
+    """Run the test with each backward of the Triton scan."""
+    monkeypatch.setattr(triton_siso, "SCAN_BWD", request.param)
+    return request.param
 
 
 def make_inputs(b=2, t=100, h=4, p=64, n=64, s=16, g=1, with_d=True, with_z=True, seed=0):
@@ -143,7 +152,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("t,g,dz", SHAPES)
-def test_outputs_states_and_gradients_match_reference(t, g, dz):
+def test_outputs_states_and_gradients_match_reference(t, g, dz, bwd):
     x = make_inputs(t=t, g=g, with_d=dz.startswith("d-"), with_z=dz.endswith("-z"))
     check(errors(x))
 
@@ -157,12 +166,12 @@ def test_outputs_states_and_gradients_match_reference(t, g, dz):
         pytest.param(dict(p=48, n=40, s=6), 64, id="P48-N40-S6"),
     ],
 )
-def test_other_tiles_match_reference(shape, chunk_size):
+def test_other_tiles_match_reference(shape, chunk_size, bwd):
     check(errors(make_inputs(t=100, **shape), chunk_size=chunk_size))
 
 
 @pytest.mark.parametrize("g", [1, 4], ids=["g1", "gh"])
-def test_initial_state_and_its_gradients_match_reference(g):
+def test_initial_state_and_its_gradients_match_reference(g, bwd):
     x = make_inputs(t=100, g=g)
     check(errors(x, state=make_state(2, 4, 64, 64, 16)))
 
@@ -196,7 +205,7 @@ def test_split_sequence_with_carried_state_equals_whole(t, t1):
         assert rel(a, b) <= SPLIT_TOL, name
 
 
-def test_strided_inputs_as_the_mixer_passes_them():
+def test_strided_inputs_as_the_mixer_passes_them(bwd):
     """Angles expanded over heads (stride 0), (b, h, t) scalars as transposed views, v/z as
     slices of one projection: same numbers as contiguous inputs, gradients included."""
     b, t, h, p, n, s = 2, 100, 4, 64, 64, 16
@@ -216,6 +225,35 @@ def test_strided_inputs_as_the_mixer_passes_them():
     (g1,) = torch.autograd.grad((y1.float() * gy).sum(), [ang])
     (g2,) = torch.autograd.grad((y2.float() * gy).sum(), [ang_c])
     assert rel(g1, g2.sum(2)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "t,g,state",
+    [pytest.param(100, 1, False, id="T100-g1"), pytest.param(100, 4, True, id="T100-gh-h0"),
+     pytest.param(2048, 1, False, id="T2048-g1")],
+)  # fmt: skip
+def test_backwards_v1_and_v2_agree(t, g, state, monkeypatch):
+    """Same forward, two backwards: every input gradient agrees to the reference bounds."""
+    x = make_inputs(t=t, g=g)
+    st = make_state(2, 4, 64, 64, 16) if state else None
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    gy = torch.randn(2, t, 4, 64, generator=gen).to(DEV)
+    g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
+               ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))]  # fmt: skip
+    grads = {}
+    for version in triton_siso.SCAN_BWD_VERSIONS:
+        monkeypatch.setattr(triton_siso, "SCAN_BWD", version)
+        grads[version] = _run(x, st, "triton", 64, gy, g_state, fp32=False)[2]
+    bounds = {"adt": DECAY_GRAD_TOL, "dt": DECAY_GRAD_TOL, "angles": ANGLE_GRAD_TOL}
+    err = {name: rel(grads["v2"][name], grads["v1"][name]) for name in grads["v1"]}
+    bad = {k: v for k, v in err.items() if not v <= bounds.get(k, GRAD_TOL)}
+    assert not bad, f"v2 vs v1 over bound: {bad}; all: {err}"
+
+
+def test_unknown_backward_version_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(triton_siso, "SCAN_BWD", "v9")
+    with pytest.raises(ValueError, match=r"M3RUN_SCAN_BWD"):
+        mamba3_siso(**make_inputs(t=64), backend="triton")
 
 
 def test_no_grad_forward_equals_training_forward():
