@@ -42,3 +42,44 @@ def test_world_size_that_cannot_keep_the_global_batch_is_a_config_error(corpus, 
     r = torchrun_worker(tmp_path / "run", ov)
     assert r.returncode != 0
     assert "grad_accum_steps=3" in r.stdout + r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_supervisors_form_a_two_node_job_through_c10d(corpus, tmp_path):
+    """Two hosts simulated on 127.0.0.1: each has its own supervisor and run dir, node 0 hosts
+    the rendezvous; both train the same steps and both hold the final checkpoint."""
+    from runner.checkpoint import latest_complete
+
+    ov = tiny_run_overrides(corpus, **{"train.total_steps": 8, "train.grad_accum_steps": 2})
+    one = run_worker(tmp_path / "one", ov)
+    assert one.returncode == 0, one.stderr
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG),
+               "--run-dir", str(tmp_path / f"node{rank}")]  # fmt: skip
+        for o in [*ov, "distributed.nnodes=2", f"distributed.node_rank={rank}",
+                  f"distributed.rdzv_endpoint={endpoint}", "distributed.rdzv_id=job1",
+                  "supervisor.smoke=false", "distributed.timeout_s=60"]:  # fmt: skip
+            cmd += ["--set", o]
+        env = worker_env(OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    ref = train_losses(tmp_path / "one")
+    for rank in (0, 1):
+        run_dir = tmp_path / f"node{rank}"
+        assert latest_complete(run_dir).step == 8
+        losses = train_losses(run_dir)
+        assert sorted(losses) == list(range(1, 9))
+        for step, loss in ref.items():
+            assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (rank, step)
