@@ -78,7 +78,8 @@ def main() -> None:
     ]  # fmt: skip
     if not gpu:
         overrides += ["data.seq_len=64", "model.vocab_size=512"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
     if not gpu:
         env["OMP_NUM_THREADS"] = "1"
     one, wall1 = run(1, work / "one", overrides, env)

@@ -57,7 +57,8 @@ def main() -> None:
         f"train.device={'cuda' if gpu else 'cpu'}", f"train.precision={'bf16' if gpu else 'fp32'}",
         "supervisor.backoff_initial_s=1", "supervisor.preemption_provider=none",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
     if not gpu:
         env["OMP_NUM_THREADS"] = "1"
 
