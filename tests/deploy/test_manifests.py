@@ -318,3 +318,26 @@ def test_every_command_the_manifests_run_exists(command):
         )
     r = CliRunner().invoke(app, [command, "--help"])
     assert r.exit_code == 0, r.output
+
+
+def test_k8s_multinode_job_keeps_hosts_ranks_and_gpus_consistent(k8s, needed_grace_s):
+    path = REPO / "deploy" / "kubernetes" / "job-multinode.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all(path.read_text()) if d}
+    job, svc = docs["Job"], docs["Service"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["podFailurePolicy"] == k8s["Job"]["spec"]["podFailurePolicy"]
+    assert pod["terminationGracePeriodSeconds"] >= needed_grace_s
+    (c,) = pod["containers"]
+    sets = dict(a.split("=", 1) for a in c["args"] if "=" in a)
+    assert int(sets["distributed.nnodes"]) == spec["completions"] == spec["parallelism"]
+    assert sets["distributed.node_rank"] == "$(JOB_COMPLETION_INDEX)"
+    assert int(sets["distributed.nproc_per_node"]) == c["resources"]["limits"]["nvidia.com/gpu"]
+    host, port = sets["distributed.rdzv_endpoint"].rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    assert int(port) == svc["spec"]["ports"][0]["port"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "JOB_COMPLETION_INDEX" in env and env["NCCL_NVLS_ENABLE"]["value"] == "0"
+    runs = next(m for m in c["volumeMounts"] if m["mountPath"] == "/runs")
+    assert "$(JOB_COMPLETION_INDEX)" in runs["subPathExpr"]  # one run dir per host
