@@ -585,9 +585,9 @@ def write_checkpoint(
         tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
         tmp.mkdir()
 
-        save_file(
-            dict(cpu_model_state), tmp / MODEL_FILE, metadata={"format": "pt", "step": str(step)}
-        )
+        # One metadata key only: safetensors writes its metadata map in no fixed order, and the
+        # same state must always give the same bytes (and sha256).
+        save_file(dict(cpu_model_state), tmp / MODEL_FILE, metadata={"format": "pt"})
         _fsync_path(tmp / MODEL_FILE)
         with open(tmp / OPTIM_FILE, "wb") as f:
             torch.save(dict(cpu_optim_state), f)
