@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@if [ -n "$(TORCH)" ]; then $(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"; fi
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' -c ci-constraints.txt
 	@touch $(STAMP)
 
 demo: install

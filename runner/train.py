@@ -342,18 +342,16 @@ class Trainer:
 
     def _freeze_config(self) -> None:
         path = self.run_dir / CONFIG_FILE
-        text = self.cfg.to_yaml()
         if path.exists():
-            frozen = load_config(path)
-            if config_hash(frozen) != config_hash(self.cfg) and not self.force:
+            if config_hash(load_config(path)) == config_hash(self.cfg):
+                return
+            if not self.force:
                 raise ConfigError(
                     f"the config differs from the one frozen in {path} at the first launch. "
                     "Fix: relaunch with the same config, or pass --force to replace it."
                 )
-            if config_hash(frozen) == config_hash(self.cfg):
-                return
         tmp = path.with_suffix(".yaml.tmp")
-        tmp.write_text(text)
+        tmp.write_text(self.cfg.to_yaml())
         os.replace(tmp, path)
 
     def _resolve_device(self) -> torch.device:
@@ -369,10 +367,10 @@ class Trainer:
         accum, world = self.cfg.train.grad_accum_steps, self.dist.world_size
         if accum % world:
             raise ConfigError(
-                f"train.grad_accum_steps={accum} sequences-per-step blocks cannot be split over "
-                f"{world} processes. Fix: make grad_accum_steps a multiple of the world size "
-                f"(e.g. {world * max(1, accum // world)}), or lower micro_batch_size and raise "
-                "grad_accum_steps to keep the same global batch."
+                f"train.grad_accum_steps={accum} cannot be split evenly over {world} processes "
+                "(the global batch is micro_batch_size × grad_accum_steps sequences for every "
+                f"world size). Fix: make grad_accum_steps a multiple of {world}, e.g. "
+                f"{-(-accum // world) * world}, adjusting micro_batch_size to keep the batch."
             )
         if world > 1 and self.dist.rank == 0:
             print(
