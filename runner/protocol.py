@@ -58,14 +58,13 @@ SUPERVISOR_LOG = "supervisor.log"
 FAULT_ENV = "M3RUN_FAULT"
 
 
-def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = False) -> None:
-    """Write JSON to a temp file beside ``path`` and rename it over ``path`` (readers never see
-    a half-written file)."""
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
+    """Write text to a temp file beside ``path`` and rename it over ``path``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, sort_keys=True)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -73,6 +72,12 @@ def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = False
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = False) -> None:
+    """Write JSON beside ``path`` and rename it over ``path`` (readers never see a half-written
+    file)."""
+    atomic_write_text(path, json.dumps(data, sort_keys=True), fsync=fsync)
 
 
 def read_json(path: str | os.PathLike) -> dict | None:
@@ -123,22 +128,6 @@ FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
 
 # The preflight smoke test's result, written by the supervisor's smoke subprocess.
 SMOKE_FILE = "smoke.json"
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
-    """Write text to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # `m3run stop --grace S` writes {"grace_s": S, "time": ...} here before signalling the
