@@ -767,8 +767,9 @@ class Trainer:
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         # The logged loss is the mean over every micro-batch of the step, on every rank.
-        mean_loss = (self.dist.all_sum(loss_sum) / t.grad_accum_steps).item()
-        gnorm = grad_norm.item()
+        mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
+        # One host sync per step: the non-finite guard needs both numbers before the update.
+        mean_loss, gnorm = torch.stack([mean.float(), grad_norm.float()]).tolist()
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             self.optimizer.zero_grad(set_to_none=True)
             return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
