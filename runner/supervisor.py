@@ -703,7 +703,9 @@ class Supervisor:
 
         try:
             mirror = Mirror(self.s.mirror_url)
-            restored = mirror.restore_latest(self.run_dir)
+            # Only `--resume latest` continues from the newest checkpoint wherever it is;
+            # `none` starts over and an explicit STEP must be in the run dir already.
+            restored = mirror.restore_latest(self.run_dir) if self.resume == "latest" else None
         except MirrorError as e:
             return self._end(FAILED, EXIT_CONFIG, f"checkpoint mirror: {e}", level="error")
         if restored is not None:

@@ -857,6 +857,14 @@ def test_checkpoints_are_mirrored_and_restored_onto_a_new_disk(tmp_path, standin
     (restore,) = events_named(events, "mirror_restore")
     assert restore["step"] == 4 and state["last_checkpoint_step"] == 4
     assert [c.step for c in list_checkpoints(second) if c.complete] == [4]
+    # `--resume none` into an empty run dir starts over: nothing is restored from the mirror.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "plan.json").write_text(json.dumps([{"steps": 0}]))
+    code, _, events = supervise(fresh, standin, resume="none", mirror_url=url)
+    assert code == EXIT_OK
+    assert not events_named(events, "mirror_restore")
+    assert not list_checkpoints(fresh)
 
 
 def test_an_unreadable_mirror_ends_the_launch_with_78(tmp_path, standin):
