@@ -207,7 +207,10 @@ def _verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
         if size != rec["bytes"]:
             return meta, f"{name} is {size} bytes, {META_FILE} records {rec['bytes']}"
         if full:
-            digest = sha256_file(fpath)
+            try:
+                digest = sha256_file(fpath)
+            except FileNotFoundError:  # removed by retention while being read
+                return meta, f"{name} vanished while being verified"
             if digest != rec["sha256"]:
                 return meta, (
                     f"sha256 mismatch in {name} (recorded {rec['sha256'][:12]}…, "
@@ -744,10 +747,15 @@ class BackgroundWriter:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, map_location: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    map_location: str | torch.device = "cpu",
+    *,
+    hashes_checked: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(model_state, optim_state, meta) of a checkpoint directory, after checking both sha256
-    digests. CheckpointError if it is torn or corrupt. optim.pt is read with
+    digests (only presence and sizes with ``hashes_checked``, for a checkpoint that
+    `latest_complete`/`find_step` has just verified: hashing 5 GB twice costs seconds).
+    CheckpointError if it is torn or corrupt. optim.pt is read with
     torch.load(weights_only=True)."""
     import pickle
 
@@ -755,7 +763,7 @@ def load_checkpoint(
     from safetensors.torch import load_file
 
     path = Path(path)
-    meta, reason = _verify(path, full=True)
+    meta, reason = _verify(path, full=not hashes_checked)
     if reason is not None:
         raise CheckpointError(
             f"checkpoint {path} is not complete: {reason}. Pick a complete one "

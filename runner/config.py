@@ -210,7 +210,11 @@ class CheckpointConfig(_Section):
         3, ge=1, description="Complete checkpoints kept; older ones are deleted after a save."
     )
     save_on_exit: bool = Field(
-        True, description="Save on a graceful stop (SIGTERM, preemption) and at the end of the run."
+        True,
+        description=(
+            "Save on a graceful stop (SIGTERM, preemption). The final step is always saved; "
+            "with false a stop keeps only the last interval checkpoint."
+        ),
     )
     async_save: bool = Field(
         True,
@@ -546,7 +550,7 @@ class RunConfig(_Section):
         if self.checkpoint.interval_steps > t.total_steps and not self.checkpoint.save_on_exit:
             out.append(
                 "checkpoint.interval_steps > train.total_steps and save_on_exit is false: "
-                "the run never writes a checkpoint"
+                "only the final step is ever saved, so a stop or crash loses the whole run"
             )
         return out
 

@@ -448,10 +448,11 @@ class Trainer:
                     f"{len(infos)} checkpoint(s). Fix: use --resume latest to continue, "
                     "or --force to start over (the old checkpoints are moved aside, not deleted)."
                 )
-            if infos:
+            if infos and self.dist.writer:
                 aside = self.run_dir / f"checkpoints.old-{int(time.time())}"
                 os.replace(self.run_dir / "checkpoints", aside)
                 print(f"--resume none --force: previous checkpoints moved to {aside}")
+            self.dist.barrier()
             return None
         if resume == "latest":
             info = ckpt.latest_complete(self.run_dir)
@@ -485,7 +486,8 @@ class Trainer:
         return self.step
 
     def load(self, path: Path) -> None:
-        model_state, state, meta = ckpt.load_checkpoint(path)
+        """Restore everything from a checkpoint that latest_complete/find_step just verified."""
+        model_state, state, meta = ckpt.load_checkpoint(path, hashes_checked=True)
         if meta.get("config_hash") not in (None, config_hash(self.cfg)) and not self.force:
             print(
                 f"warning: checkpoint {path.name} was written under a different config "
@@ -570,7 +572,7 @@ class Trainer:
         }
         meta = {
             "tokens_seen": self.tokens_seen,
-            "data_state": self.loader.state_dict(),
+            "data_state": state["data"],
             "config_hash": config_hash(self.cfg),
             "versions": {
                 "m3run": __version__,
@@ -726,8 +728,8 @@ class Trainer:
     # ---- the loop ----
 
     def _on_signal(self, signum, frame) -> None:
-        if self.stop_signal is None:
-            print(f"received {signal.Signals(signum).name}: stopping after this step", flush=True)
+        # Only set the flag: a print here could re-enter a stdout write the signal interrupted
+        # and lose the stop. The training loop reports it at the next step boundary.
         self.stop_signal = signum
 
     def train_step(self) -> dict | None:
@@ -739,11 +741,12 @@ class Trainer:
         lr = lr_at(self.cfg, step) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.loader.windows_consumed in self.skip_positions:
+        # A NaN streak recorded several consecutive windows: skip every one of them.
+        while self.loader.windows_consumed in self.skip_positions:
+            pos = self.loader.windows_consumed
             self.loader.skip(self.local_accum)
-            print(
-                f"skipping the data window at position {self.loader.windows_consumed} (NaN earlier)"
-            )
+            if self.dist.writer:
+                print(f"skipping the data window at position {pos} (it gave NaN earlier)")
         start_pos = self.loader.windows_consumed
         poison = self.faults.poison(step)
         loss_sum = torch.zeros((), device=self.device)
@@ -910,9 +913,14 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Every rank stops at the same step boundary: a signal seen by any rank stops all."""
         if not self.dist.enabled:
-            return self.stop_signal is not None
-        flag = torch.tensor([0 if self.stop_signal is None else 1], device=self.device)
-        return bool(self.dist.all_sum(flag).item())
+            stop = self.stop_signal is not None
+        else:
+            flag = torch.tensor([0 if self.stop_signal is None else 1], device=self.device)
+            stop = bool(self.dist.all_sum(flag).item())
+        if stop and self.dist.writer:
+            why = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank"
+            print(f"stop requested ({why}): saving at step {self.step}", flush=True)
+        return stop
 
     def close(self) -> None:
         if self._writer.pending_step is not None:
@@ -984,7 +992,9 @@ def _stop(trainer: Trainer) -> int:
     except ckpt.CheckpointError as e:
         return _save_failed(trainer, e)
     trainer.set_phase("stopped")
-    print(f"stopped at step {trainer.step} with a saved checkpoint", flush=True)
+    last = trainer.last_checkpoint_step
+    saved = f"checkpoint step {last} is complete" if last is not None else "no checkpoint yet"
+    print(f"stopped at step {trainer.step}; {saved}", flush=True)
     return EXIT_STOPPED
 
 

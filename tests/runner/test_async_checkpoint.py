@@ -295,7 +295,9 @@ def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_comp
     finally:
         proc.kill()
     assert proc.returncode == 75, out
-    stopped_at = int(re.search(r"stopped at step (\d+) with a saved checkpoint", out).group(1))
+    stopped_at = int(
+        re.search(r"stopped at step (\d+); checkpoint step \1 is complete", out).group(1)
+    )
     assert stopped_at > in_flight
     assert f"waiting for checkpoint step {in_flight} to finish writing" in out
     assert latest_complete(run_dir).step == stopped_at

@@ -111,7 +111,7 @@ def test_every_section_forbids_extra_keys_and_documents_every_field(cls: type[Ba
     assert undocumented == []
 
 
-def test_defaults_match_the_brief():
+def test_supervisor_defaults():
     cfg = parse_config(MINIMAL)
     t, s = cfg.train, cfg.supervisor
     assert (t.grad_accum_steps, t.min_lr_ratio, t.decay_fraction) == (1, 0.1, 0.2)

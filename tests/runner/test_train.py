@@ -175,6 +175,8 @@ def test_nan_excursion_is_healed_by_rollback(corpus, tmp_path):
     rb = [x for x in records if x["kind"] == "rollback"]
     assert len(rb) == 1 and rb[0]["step"] == 5 and rb[0]["lr_scale"] == 0.5
     assert len(rb[0]["skipped_positions"]) == 3
+    for pos in rb[0]["skipped_positions"]:  # every poisoned window is skipped on the replay
+        assert f"skipping the data window at position {pos} " in r.stdout
     # after the rollback every step ran with half the scheduled LR
     cfg = load_config(DEMO_CONFIG, ov)
     late = [x for x in records if x["kind"] == "train" and x["time"] > rb[0]["time"]]
