@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .checkpoint import sha256_file
+from .protocol import atomic_write_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -610,16 +613,6 @@ def _move_document(
     return rewritten
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _publish(split_dir: Path, writer: _ShardWriter, manifest: dict) -> None:
     names = []
     for i, s in enumerate(writer.shards):
@@ -629,15 +622,7 @@ def _publish(split_dir: Path, writer: _ShardWriter, manifest: dict) -> None:
     for stale in split_dir.glob("shard_*.bin"):
         if stale.name not in names:
             stale.unlink()
-    _atomic_write_json(split_dir / MANIFEST_NAME, manifest)
-
-
-def _file_sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
+    atomic_write_text(split_dir / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------------------------
@@ -800,7 +785,7 @@ def prepare_data(
                 "spec": tokenizer,
                 "kind": "hf",
                 "path": "../tokenizer.json",  # relative to the manifest's directory
-                "sha256": _file_sha256(tok_path),
+                "sha256": sha256_file(tok_path),
             }
             if tok.vocab_size < bpe_size:
                 notes.append(
@@ -811,7 +796,7 @@ def prepare_data(
                 "spec": tokenizer,
                 "kind": "hf",
                 "path": tok.source,
-                "sha256": _file_sha256(Path(tok.source)),
+                "sha256": sha256_file(Path(tok.source)),
             }
         else:
             tok_record = {"spec": tokenizer, "kind": "tiktoken", "name": tok.source}
@@ -1001,7 +986,7 @@ def load_manifest(split_dir: str | Path, verify: bool = False) -> dict:
                 f"({s['tokens']} {m['dtype']} tokens): the file is truncated or replaced; "
                 f"{hint} again"
             )
-        if verify and _file_sha256(shard_path) != s.get("sha256"):
+        if verify and sha256_file(shard_path) != s.get("sha256"):
             raise DataError(f"shard {shard_path} fails its sha256 check: {hint} again")
         total += s["tokens"]
     if total != m["total_tokens"]:

@@ -320,8 +320,9 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
 # --------------------------------------------------------------------------- formatting
 
 
-def _fmt_duration(seconds: Any) -> str:
-    if not isinstance(seconds, (int, float)):
+def format_duration(seconds: Any) -> str:
+    """1h02m, 3m07s, 42s; "-" for anything that is not a finite, non-negative number."""
+    if not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
         return "-"
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
@@ -345,7 +346,7 @@ def format_status(st: dict) -> str:
         f"run        {st['run_dir']}",
         f"phase      {st['phase'] or 'never launched'}"
         + (f"  ({st['reason']})" if st.get("reason") else ""),
-        f"step       {step}/{total}   ETA {_fmt_duration(st['eta_s'])}",
+        f"step       {step}/{total}   ETA {format_duration(st['eta_s'])}",
         f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
         f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
         f"speed      {_fmt_num(st['tokens_per_s'], ',.0f')} tok/s   MFU "

@@ -44,6 +44,7 @@ from .protocol import (
     atomic_write_json,
     heartbeat_file,
 )
+from .runstate import format_duration
 
 # A background checkpoint write running longer than max(this, 10 × the longest one so far) is
 # treated as stuck: waiting for it no longer refreshes the heartbeat (see Trainer._wait_for_save).
@@ -220,15 +221,6 @@ class Faults:
 
 
 # -- the worker --------------------------------------------------------------------------------
-
-
-def _fmt_duration(seconds: float) -> str:
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def _fmt_tokens(n: float) -> str:
@@ -721,7 +713,8 @@ class Trainer:
         print(
             f"step {record['step']}/{self.cfg.train.total_steps} | loss {record['loss']:.4f} "
             f"| ppl {record['ppl']:.1f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} "
-            f"| {_fmt_tokens(record['tokens_per_s'])} tok/s{mfu}{mem} | eta {_fmt_duration(eta_s)}",
+            f"| {_fmt_tokens(record['tokens_per_s'])} tok/s{mfu}{mem} "
+            f"| eta {format_duration(eta_s)}",
             flush=True,
         )
 
