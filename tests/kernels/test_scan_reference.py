@@ -163,7 +163,8 @@ def test_gradients_chunked_equal_recurrent(kw):
         assert rel(a, b) <= 1e-10, name
 
 
-def _slice(x, lo, hi):
+def slice_time(x, lo, hi):
+    """The scan inputs of tokens [lo, hi) (per-head parameters unchanged)."""
     out = {}
     for key, val in x.items():
         if val is None or key in ("q_bias", "k_bias", "d"):
@@ -180,10 +181,10 @@ def test_split_sequence_with_carried_state_equals_whole(t1):
     x = make_inputs(t=37, g=3)
     y, st = mamba3_siso(**x, chunk_size=8, return_final_state=True, backend="pytorch")
     ya, sa = mamba3_siso(
-        **_slice(x, 0, t1), chunk_size=8, return_final_state=True, backend="pytorch"
+        **slice_time(x, 0, t1), chunk_size=8, return_final_state=True, backend="pytorch"
     )
     yb, sb = mamba3_siso(
-        **_slice(x, t1, 37),
+        **slice_time(x, t1, 37),
         chunk_size=8,
         initial_state=sa,
         return_final_state=True,

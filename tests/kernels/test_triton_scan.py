@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_scan_reference import slice_time as _slice
 
 from kernels.mamba3 import mamba3_siso, triton_siso
 
@@ -174,18 +175,6 @@ def test_other_tiles_match_reference(shape, chunk_size, bwd):
 def test_initial_state_and_its_gradients_match_reference(g, bwd):
     x = make_inputs(t=100, g=g)
     check(errors(x, state=make_state(2, 4, 64, 64, 16)))
-
-
-def _slice(x, lo, hi):
-    out = {}
-    for key, val in x.items():
-        if val is None or key in ("q_bias", "k_bias", "d"):
-            out[key] = val
-        elif key in ("adt", "dt", "trap"):
-            out[key] = val[..., lo:hi]
-        else:
-            out[key] = val[:, lo:hi]
-    return out
 
 
 @pytest.mark.parametrize(
