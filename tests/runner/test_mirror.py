@@ -363,7 +363,10 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
     from fakes.metadata import FakeMetadataServer
 
     url = f"s3://{s3.bucket()}/runs/e2e"
-    train = {"train.total_steps": 12, "checkpoint.interval_steps": 3, "checkpoint.keep_last": 2}
+    # Long enough that the notice lands mid-run on a fast machine too: it is announced after
+    # step 6, and the supervisor takes up to ~0.5 s (two polls) to see it and stop the worker,
+    # while the tiny model runs ~35 steps/s.
+    train = {"train.total_steps": 80, "checkpoint.interval_steps": 5, "checkpoint.keep_last": 2}
     env = worker_env(**s3.env)
     ref = _worker(tmp_path / "ref", tiny_run_overrides(corpus, **train), env)
 
@@ -390,11 +393,12 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
 
         node1 = tmp_path / "node1"
         sup = launch(node1)
-        _wait_for(lambda: max(_losses(node1) or [0]) >= 5, timeout=120)
+        _wait_for(lambda: max(_losses(node1) or [0]) >= 6, timeout=120)
         meta.announce(action="terminate")
         out = sup.communicate(timeout=120)[0].decode()
         assert sup.returncode == EXIT_STOPPED, out
         saved = latest_complete(node1).step
+        assert 5 <= saved < 80, f"the stop should land mid-run, got checkpoint step {saved}"
         events = [e["event"] for e in read_jsonl(node1 / "events.jsonl")]
         assert "mirror_upload" in events and "mirror_flush" in events
         status = json.loads(
@@ -422,10 +426,10 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
     out_ref = ref.communicate(timeout=180)[0].decode()
     assert ref.returncode == 0, out_ref
     ref_losses, after = _losses(tmp_path / "ref"), _losses(node2)
-    assert sorted(after) == list(range(saved + 1, 13))
+    assert sorted(after) == list(range(saved + 1, 81))
     assert after == {s: ref_losses[s] for s in after}  # bitwise: float equality
     a = load_file(str(latest_complete(node2).path / "model.safetensors"))
     b = load_file(str(latest_complete(tmp_path / "ref").path / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The finished run's last checkpoint reached the mirror too.
-    assert [c.step for c in Mirror(url).list_remote() if c.complete][-1] == 12
+    assert [c.step for c in Mirror(url).list_remote() if c.complete][-1] == 80
