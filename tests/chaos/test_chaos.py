@@ -204,7 +204,9 @@ def test_sigkill_worker_three_times_ends_bitwise_equal(corpus, reference, tmp_pa
 
 def test_sigterm_saves_stops_and_relaunch_resumes_exactly(corpus, reference, tmp_path):
     run_dir = tmp_path / "run"
-    run = Run(run_dir, overrides(corpus))
+    # Slow checkpoint writes pace the run (a save waits for the one before it), so the stop
+    # lands well before the last step however fast the machine is.
+    run = Run(run_dir, overrides(corpus), env=fast_env(**{FAULT_ENV: "slow_save=1.0"}))
     run.worker_at(4)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait() == EXIT_OK, run.output()
