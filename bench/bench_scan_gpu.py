@@ -2,11 +2,13 @@
 chunked reference, forward and forward+backward, in one run, with the achieved memory bandwidth.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
-                                   [--no-ref] [--sweep]
+                                   [--no-ref] [--sweep] [--kernels]
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first). Bandwidth counts
 the bytes of the inputs and outputs once: forward = inputs + y; forward+backward = that +
-dy + one gradient per input. ``--sweep`` also times the kernels' launch settings. The forward
+dy + one gradient per input. ``--sweep`` also times the kernels' launch settings;
+``--kernels`` splits one forward+backward of each backward version into its GPU kernels
+(torch.profiler, mean of 20 calls). The forward
 is the same for both backwards (``M3RUN_SCAN_BWD``), so its two times check each other.
 """
 
@@ -65,6 +67,33 @@ def time_impl(x, backend, chunk, fwd_only=False, bwd_only=False):
     return ms_f, ms_fb, fwd()
 
 
+def kernel_times(x, chunk, reps: int = 20) -> list[tuple[str, float]]:
+    """GPU time per kernel name of one forward+backward, in ms, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
+    gy = torch.randn_like(x["v"])
+
+    def step():
+        for leaf in leaves.values():
+            leaf.grad = None
+        mamba3_siso(**leaves, chunk_size=chunk, backend="triton").backward(gy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us > 0:
+            totals[ev.key] = totals.get(ev.key, 0.0) + us / 1e3 / reps
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 def kernel_info(fn) -> str:
     """Registers, spills and shared memory of each compiled variant of a Triton kernel."""
     rows = []
@@ -88,6 +117,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-ref", action="store_true", help="skip the PyTorch reference")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch settings")
+    ap.add_argument("--kernels", action="store_true", help="GPU time of each kernel of fwd+bwd")
     a = ap.parse_args()
 
     from kernels.mamba3 import triton_siso as ts
@@ -132,6 +162,16 @@ def main() -> None:
             )
         for name, cfg in configs:
             cfg.update(base[name])
+
+    if a.kernels:
+        for version in ts.SCAN_BWD_VERSIONS:
+            ts.SCAN_BWD = version
+            rows = kernel_times(x, a.chunk)
+            total = sum(ms for _, ms in rows)
+            print(f"\nfwd+bwd {version} by kernel (GPU time, {total:.3f} ms in all)")
+            for name, ms in rows:
+                print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  {name[:90]}")
+        ts.SCAN_BWD = ts.SCAN_BWD_DEFAULT
 
     results = {}
     for version in ts.SCAN_BWD_VERSIONS:
