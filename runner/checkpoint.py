@@ -97,7 +97,7 @@ def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_SUBDIR / f"step_{_check_step(step):08d}"
 
 
-def _step_of_dirname(name: str) -> int | None:
+def step_of_dirname(name: str) -> int | None:
     """The step of a canonical checkpoint directory name, or None for anything else."""
     m = _STEP_DIR_RE.match(name)
     if m is None:
@@ -116,7 +116,8 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """fsync a file's data, or with `directory=True` a directory's entries (renames)."""
     flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
     fd = os.open(path, flags)
     try:
@@ -130,7 +131,7 @@ def _remove_dir(path: Path) -> None:
     only a `.del-*` directory, which discovery ignores and the next save removes."""
     aside = path.parent / f"{DEL_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}"
     os.rename(path, aside)
-    _fsync_path(path.parent, directory=True)
+    fsync_path(path.parent, directory=True)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -171,7 +172,7 @@ def _check_meta(path: Path, meta: dict) -> str | None:
                 "upgrade m3run"
             )
         return f"format_version {version!r} is not supported (expected {FORMAT_VERSION})"
-    dir_step = _step_of_dirname(path.name)
+    dir_step = step_of_dirname(path.name)
     if dir_step is not None and meta.get("step") != dir_step:
         return f"{META_FILE} says step {meta.get('step')!r} but the directory is {path.name}"
     files = meta.get("files")
@@ -246,7 +247,7 @@ def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in os.scandir(root):
-        step = _step_of_dirname(entry.name)
+        step = step_of_dirname(entry.name)
         if step is not None and entry.is_dir(follow_symlinks=False):
             found.append((step, Path(entry.path)))
     return sorted(found)
@@ -582,7 +583,7 @@ def write_checkpoint(
     try:
         if not root.is_dir():
             root.mkdir(exist_ok=True)
-            _fsync_path(root.parent, directory=True)
+            fsync_path(root.parent, directory=True)
         _remove_stale(root)
         # Not mkdtemp: its 0700 mode would survive the rename; this one follows the umask.
         tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
@@ -591,7 +592,7 @@ def write_checkpoint(
         # One metadata key only: safetensors writes its metadata map in no fixed order, and the
         # same state must always give the same bytes (and sha256).
         save_file(dict(cpu_model_state), tmp / MODEL_FILE, metadata={"format": "pt"})
-        _fsync_path(tmp / MODEL_FILE)
+        fsync_path(tmp / MODEL_FILE)
         with open(tmp / OPTIM_FILE, "wb") as f:
             torch.save(dict(cpu_optim_state), f)
             f.flush()
@@ -605,14 +606,14 @@ def write_checkpoint(
         }
         # meta.json last: its presence with matching hashes is what makes the checkpoint complete.
         _write_fsynced(tmp / META_FILE, _build_meta(step, meta, files).encode("utf-8"))
-        _fsync_path(tmp, directory=True)
+        fsync_path(tmp, directory=True)
 
         if final.exists():
             old = root / f"{DEL_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
             os.rename(final, old)
         os.rename(tmp, final)
         tmp = None
-        _fsync_path(root, directory=True)
+        fsync_path(root, directory=True)
     except (OSError, RuntimeError, SafetensorError) as e:
         raise CheckpointError(
             f"could not write checkpoint for step {step} under {root}: {e}. Check free disk space "

@@ -60,8 +60,10 @@ from runner.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     checkpoint_dir,
+    fsync_path,
     latest_complete,
     list_checkpoints,
+    step_of_dirname,
     verify_checkpoint,
 )
 from runner.protocol import atomic_write_json, read_json
@@ -91,24 +93,6 @@ class RemoteCheckpoint:
     reason: str | None  # why it is not complete; None when complete
     meta: dict | None  # parsed meta.json when it parses
     meta_bytes: bytes | None  # meta.json exactly as stored
-
-
-def _step_of(name: str) -> int | None:
-    if not name.startswith("step_"):
-        return None
-    digits = name[5:]
-    if not digits.isdigit() or len(digits) < 8:
-        return None
-    step = int(digits)
-    return step if name == f"step_{step:08d}" else None
-
-
-def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _meta_problem(meta: Any, step: int) -> str | None:
@@ -189,7 +173,7 @@ class Mirror:
             if not rel.startswith(prefix):
                 continue
             parts = rel[len(prefix) :].split("/")
-            step = _step_of(parts[0])
+            step = step_of_dirname(parts[0])
             if step is None or len(parts) != 2:
                 continue
             sizes.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
@@ -411,7 +395,7 @@ class Mirror:
                 f.write(c.meta_bytes)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync(tmp, directory=True)
+            fsync_path(tmp, directory=True)
             ok, reason = verify_checkpoint(tmp, full=False)
             if not ok:
                 raise _CorruptRemote(str(reason))
@@ -420,7 +404,7 @@ class Mirror:
                 os.rename(final, aside)
                 shutil.rmtree(aside, ignore_errors=True)
             os.rename(tmp, final)
-            _fsync(root, directory=True)
+            fsync_path(root, directory=True)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -873,3 +873,22 @@ def test_an_unreadable_mirror_ends_the_launch_with_78(tmp_path, standin):
     assert code == EXIT_CONFIG
     assert state["reason"].startswith("checkpoint mirror:") and "fix:" in state["reason"]
     assert not (run_dir / "attempts.jsonl").exists()
+
+
+def test_supervisor_settings_defaults_match_the_config_schema():
+    """The supervisor's own defaults (used when it is driven without a config file) are the
+    config schema's, field by field, so the two cannot drift apart."""
+    import dataclasses
+
+    from runner.config import CheckpointConfig, LogConfig, SupervisorConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(SupervisorSettings)}
+    schema = {name: f.default for name, f in SupervisorConfig.model_fields.items()}
+    shared = fields.keys() & schema.keys()
+    assert len(shared) >= 15, sorted(shared)
+    assert {n: fields[n] for n in shared} == {n: schema[n] for n in shared}
+    assert fields["heartbeat_interval_s"] == LogConfig.model_fields["heartbeat_interval_s"].default
+    ck = CheckpointConfig.model_fields
+    assert fields["mirror_keep_last"] == ck["keep_last"].default
+    assert fields["mirror_flush_s"] == ck["mirror_flush_s"].default
+    assert fields["mirror_url"] == ck["mirror_url"].default
