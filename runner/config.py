@@ -349,7 +349,10 @@ class SupervisorConfig(_Section):
         0.5,
         gt=0,
         le=1,
-        description="Learning-rate scale applied when the supervisor restarts after exit 76 (NaN).",
+        description=(
+            "After a worker exit 76 (NaN) the supervisor restarts it at this times the learning "
+            "rate the failing worker ran at (compounding over repeated exits)."
+        ),
     )
     preemption_provider: Literal["auto", "none", "aws", "gcp", "azure"] = Field(
         "auto",

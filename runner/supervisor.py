@@ -581,11 +581,10 @@ class Supervisor:
         self._vram_warned = False
         self._watcher: Any = None
         self._uploader: Any = None  # runner.mirror.MirrorUploader when a mirror is configured
-        # NaN rollbacks: consecutive exits 76, the LR cut they call for, and the checkpoints
-        # that existed when it was decided (they predate the cut).
-        self._nan_streak = 0
-        self._cut_scale = 1.0
-        self._cut_known: set[tuple[int, int]] = set()
+        # NaN rollbacks: the absolute LR scale the last exit 76 called for (None: no cut), and
+        # the absolute scale of the running worker (its checkpoint's stored scale × --lr-scale).
+        self._cut_abs: float | None = None
+        self._launch_abs = 1.0
 
     # ----------------------------------------------------------------- public
 
@@ -999,21 +998,28 @@ class Supervisor:
             return str(target.step), f"only checkpoint {latest.step} exists: resuming from it"
         return str(target.step), (f"rolling back past checkpoint {latest.step} to {target.step}")
 
-    def _lr_scale_for(self, resume: str) -> float:
-        """--lr-scale for a worker resuming from `resume`. The worker multiplies the scale
-        stored in the checkpoint it loads by this, and stores the product in its own
-        checkpoints: so the NaN cut is passed when resuming from a checkpoint written before
-        the cut (or from scratch), and 1.0 from one written after it (which carries it)."""
-        if self._cut_scale == 1.0:
-            return 1.0
+    def _stored_scale(self, resume: str) -> float:
+        """The LR scale stored in the checkpoint a worker resuming from `resume` loads (1.0
+        from scratch, or for a checkpoint that predates the field)."""
         if resume == "none":
-            return self._cut_scale
+            return 1.0
         infos = [i for i in list_checkpoints(self.run_dir, verify=False) if i.complete]
         if resume.isdigit():
             infos = [i for i in infos if i.step == int(resume)]
         if not infos:
-            return self._cut_scale
-        return self._cut_scale if _ckpt_key(infos[-1]) in self._cut_known else 1.0
+            return 1.0
+        stored = (infos[-1].meta or {}).get("lr_scale", 1.0)
+        return float(stored) if isinstance(stored, (int, float)) and stored > 0 else 1.0
+
+    def _lr_scale_for(self, resume: str) -> float:
+        """--lr-scale for a worker resuming from `resume`. The worker multiplies the scale
+        stored in the checkpoint it loads by this, and stores the product in its own
+        checkpoints. After an exit 76 the worker must train at the cut scale: a checkpoint
+        written before the cut gets the missing factor, one written after it already carries
+        the cut (1.0), and the supervisor never raises the LR a checkpoint already has."""
+        if self._cut_abs is None:
+            return 1.0
+        return min(1.0, self._cut_abs / self._stored_scale(resume))
 
     # ----------------------------------------------------------------- heartbeat
 
@@ -1100,6 +1106,7 @@ class Supervisor:
 
     def _spawn(self, resume: str) -> None:
         self._attempt += 1
+        self._launch_abs = self._stored_scale(resume) * self.lr_scale
         argv = self.worker_argv(resume, self.lr_scale)
         self._torchrun = _is_torchrun(argv)
         self._local_ranks = _nproc(argv)
@@ -1388,15 +1395,14 @@ class Supervisor:
                 resume = self._resume_target()
             elif code == EXIT_NAN:
                 kind = "nan"
-                self._nan_streak += 1
-                self._cut_scale = self.s.nan_lr_factor**self._nan_streak
-                self._cut_known = {
-                    _ckpt_key(i) for i in list_checkpoints(self.run_dir, verify=False)
-                }
+                # Cut relative to the scale the failing worker ran at: consecutive exits 76
+                # compound, and a resume from a checkpoint written under an earlier cut is
+                # not cut twice.
+                self._cut_abs = self._launch_abs * self.s.nan_lr_factor
                 resume, how = self._rollback_target()
                 reason = (
                     f"worker exit 76: NaN excursion the in-process rollback could not "
-                    f"heal; {how}, learning rate × {self._cut_scale:g}"
+                    f"heal; {how}, learning rate cut to {self._cut_abs:g}× the schedule"
                 )
             elif code == EXIT_STOPPED:
                 kind = "unrequested_stop"
@@ -1409,8 +1415,6 @@ class Supervisor:
                 kind = "crash"
                 reason = f"worker crashed ({_describe_exit(code)})"
                 resume = self._resume_target()
-            if kind != "nan":
-                self._nan_streak = 0
             self.lr_scale = self._lr_scale_for(resume)
 
             code_or_none = self._restart_or_give_up(kind, reason, code, resume, pid)

@@ -566,6 +566,9 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "data_state": state["data"],
             "config_hash": config_hash(self.cfg),
+            # The LR-schedule multiplier this checkpoint trains at (NaN cuts); the supervisor
+            # reads it to cut relative to the run's real LR, never compounding a cut twice.
+            "lr_scale": self.lr_scale,
             "versions": {
                 "m3run": __version__,
                 "torch": torch.__version__,

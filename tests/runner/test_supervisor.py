@@ -86,7 +86,8 @@ STANDIN = textwrap.dedent("""
             digest = hashlib.sha256(data).hexdigest()
             files[name] = {"sha256": "0" * 64 if torn else digest, "bytes": len(data)}
         (tmp / "meta.json").write_text(json.dumps(
-            {"format_version": 1, "step": step, "files": files, "saved_at": time.time()}))
+            {"format_version": 1, "step": step, "files": files, "saved_at": time.time(),
+             "lr_scale": scale}))
         final = root / f"step_{step:08d}"
         if final.exists():
             os.rename(final, root / f".del-{final.name}-{os.getpid()}")
@@ -99,6 +100,10 @@ STANDIN = textwrap.dedent("""
         step = max(steps, default=0)
     else:
         step = 0
+    # Like the real worker: the scale it trains at is its checkpoint's times --lr-scale.
+    meta = run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json"
+    stored = json.loads(meta.read_text()).get("lr_scale", 1.0) if meta.exists() else 1.0
+    scale = lr_scale * stored
     if spec.get("no_heartbeat"):
         time.sleep(1e9)
     heartbeat("startup", step)
@@ -324,6 +329,24 @@ def test_consecutive_nan_exits_compound_the_lr_cut(tmp_path, standin):
     assert code == EXIT_OK
     runs = [(a["resume"], a["lr_scale"]) for a in attempts(run_dir)]
     assert runs[1:] == [("3", 0.5), ("2", 0.25)]
+
+
+def test_a_nan_cut_is_not_applied_twice_to_a_checkpoint_written_under_it(tmp_path, standin):
+    run_dir = make_run(
+        tmp_path,
+        [
+            {"steps": 4, "ckpt_every": 1, "exit": 76},  # saves 1-4 at scale 1
+            {"steps": 2, "ckpt_every": 1, "exit": 76},  # from 3: saves 4, 5 at scale 0.5
+            {"steps": 1, "ckpt_every": 1, "exit": 0},  # from 4: saves 5
+        ],
+    )
+    code, _, _ = supervise(run_dir, standin, nan_lr_factor=0.5)
+    assert code == EXIT_OK
+    runs = [(a["resume"], a["lr_scale"]) for a in attempts(run_dir)]
+    # Step 4 was written at 0.5 already: halving again needs × 0.5 on top, not × 0.25.
+    assert runs[1:] == [("3", 0.5), ("4", 0.5)]
+    meta = json.loads((run_dir / "checkpoints" / "step_00000005" / "meta.json").read_text())
+    assert meta["lr_scale"] == 0.25
 
 
 def test_explicit_resume_step_is_kept_across_restarts(tmp_path, standin):
