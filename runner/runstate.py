@@ -87,9 +87,15 @@ def resolve_run(run: str | os.PathLike | None, runs_root: Path = RUNS_ROOT) -> P
     named = runs_root / str(run)
     if named.is_dir():
         return named
+    # `runs_root / "/abs"` is "/abs" again: name the second place only when it differs.
+    where = (
+        f"{path} is not a directory"
+        if named == path
+        else f"neither {path} nor {named} is a directory"
+    )
     raise RunNotFoundError(
-        f"run {str(run)!r} not found: neither {path} nor {named} is a directory; pass a run "
-        f"directory path or one of the names under ./runs/ ({_names(runs_root)})"
+        f"run {str(run)!r} not found: {where}; pass a run directory path or one of the names "
+        f"under ./runs/ ({_names(runs_root)})"
     )
 
 

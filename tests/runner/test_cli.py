@@ -178,6 +178,10 @@ def test_status_finds_runs_by_name_and_latest(tmp_path, monkeypatch):
     result = invoke("status", "nope")
     assert result.exit_code == 1 and "run 'nope' not found" in result.output
     assert "new, old" in result.output
+    assert "neither nope nor runs/nope is a directory" in result.output
+    gone = tmp_path / "gone"
+    result = invoke("status", str(gone))
+    assert result.exit_code == 1 and f"{gone} is not a directory;" in result.output
 
 
 def test_status_watch_ends_with_the_run(tmp_path):
