@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import os
 import queue
@@ -157,23 +158,9 @@ class SupervisorSettings:
     @classmethod
     def from_config(cls, cfg: Any, **extra: Any) -> SupervisorSettings:
         sup = cfg.supervisor
-        names = [
-            "max_restarts",
-            "restart_window_s",
-            "no_progress_restarts",
-            "backoff_initial_s",
-            "backoff_max_s",
-            "startup_timeout_s",
-            "heartbeat_timeout_s",
-            "heartbeat_safety_factor",
-            "stop_grace_s",
-            "nan_lr_factor",
-            "preemption_provider",
-            "preemption_poll_s",
-            "metadata_url",
-            "smoke",
-            "vram_warn_fraction",
-        ]
+        # Every field the config's supervisor section also has, by name: a new config key
+        # reaches the supervisor without a second list to keep in step.
+        names = [f.name for f in dataclasses.fields(cls) if f.name in type(sup).model_fields]
         values = {n: getattr(sup, n) for n in names}
         values["heartbeat_interval_s"] = cfg.log.heartbeat_interval_s
         values["mirror_url"] = cfg.checkpoint.mirror_url
