@@ -425,7 +425,7 @@ def checkpoints(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List a run's checkpoints with completeness, verifying every sha256."""
-    from runner.checkpoint import format_checkpoint_table, list_checkpoints
+    from runner.checkpoint.layout import format_checkpoint_table, list_checkpoints
 
     infos = list_checkpoints(_run_dir(run), verify=True)
     if as_json:

@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .checkpoint import sha256_file
-from .protocol import atomic_write_text
+from runner.files import atomic_write_text, sha256_file
 
 if TYPE_CHECKING:
     import torch

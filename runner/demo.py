@@ -30,7 +30,8 @@ def sample() -> None:
     import torch
 
     from model import Mamba3LM
-    from runner.checkpoint import latest_complete, load_checkpoint
+    from runner.checkpoint.io import load_checkpoint
+    from runner.checkpoint.layout import latest_complete
     from runner.config import load_config
     from runner.data import load_tokenizer
 

@@ -51,8 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint import (
-    CHECKPOINTS_SUBDIR,
+from runner.checkpoint.layout import (
     DATA_FILES,
     DEL_PREFIX,
     META_FILE,
@@ -60,13 +59,13 @@ from runner.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     checkpoint_dir,
-    fsync_path,
     latest_complete,
     list_checkpoints,
     step_of_dirname,
     verify_checkpoint,
 )
-from runner.protocol import atomic_write_json, read_json
+from runner.files import atomic_write_json, fsync_path, read_json
+from runner.protocol import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +151,7 @@ class Mirror:
 
     @property
     def _ckroot(self) -> str:
-        return f"{self.root}/{CHECKPOINTS_SUBDIR}"
+        return f"{self.root}/{CHECKPOINTS_DIR}"
 
     def remote_path(self, step: int) -> str:
         """fsspec path (no protocol) of the remote directory of checkpoint `step`."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner.protocol import METRICS_FILE, read_jsonl
+from runner.files import read_jsonl
+from runner.protocol import METRICS_FILE
 
 PLOT_FILE = "curves.png"
 

@@ -1,44 +1,67 @@
 """The contract between the training worker, the supervisor and the CLI. Torch-free.
 
 Everything the three sides exchange goes through the run directory (see DESIGN.md, "Run
-directory") and the worker's exit code; this module names both so no side spells them twice.
+directory") and the worker's exit code. This module spells each file name, exit code, phase and
+record shape once; both sides import it and nothing else of each other.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import time
-from pathlib import Path
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-# Worker exit codes (sysexits-style).
+# ----------------------------------------------------------------------------- exit codes
+
+# Worker exit codes (sysexits-style). Any other code is a crash: the supervisor restarts it.
 EXIT_OK = 0
 EXIT_STOPPED = 75  # stopped or preempted after a saved checkpoint (EX_TEMPFAIL: "try again")
 EXIT_NAN = 76  # a NaN excursion the in-process rollback could not heal
 EXIT_CONFIG = 78  # bad config or data (EX_CONFIG): never restarted
+# A worker whose checkpoint could not be written exits as a crash, so the supervisor restarts
+# it from the latest complete checkpoint.
+EXIT_SAVE_FAILED = 1
 # Supervisor exit codes (the container's exit).
 EXIT_UNAVAILABLE = 69  # GPU unhealthy: replace the node (EX_UNAVAILABLE)
 EXIT_SOFTWARE = 70  # restart budget or no-progress limit spent (EX_SOFTWARE)
+EXIT_REFUSED = 1  # launch refused: the run dir is busy (another supervisor holds the lock)
+
+# ----------------------------------------------------------------------------- file names
 
 CONFIG_FILE = "config.yaml"
 STATE_FILE = "state.json"
 HEARTBEAT_FILE = "heartbeat.json"
-
-
-def heartbeat_file(local_rank: int = 0) -> str:
-    """Each worker process of a host heartbeats: local rank 0 into heartbeat.json (what status
-    shows), the others into heartbeat.local<r>.json (watched for hangs)."""
-    return HEARTBEAT_FILE if local_rank == 0 else f"heartbeat.local{local_rank}.json"
-
-
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "supervisor.lock"
 CHECKPOINTS_DIR = "checkpoints"
 WORKER_LOG = "worker.log"
 SUPERVISOR_LOG = "supervisor.log"
+# The preflight smoke test's result, written by the supervisor's smoke subprocess.
+SMOKE_FILE = "smoke.json"
+# `m3run stop --grace S` writes a StopRequest here before signalling the supervisor; the
+# supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
+STOP_REQUEST_FILE = "stop_request.json"
+# Per-rank files of a torchrun worker: every local rank heartbeats (rank 0 into heartbeat.json,
+# what status shows; the others beside it, watched for hangs), and each rank's protocol exit
+# code is recorded by the rank wrapper, since torchrun exits 1 whatever its ranks' codes were.
+RANK_HEARTBEAT_GLOB = "heartbeat.local*.json"
+WORKER_EXIT_GLOB = "worker_exit.local*.json"
+
+
+def heartbeat_file(local_rank: int = 0) -> str:
+    """heartbeat.json for local rank 0, heartbeat.local<r>.json for the others."""
+    return HEARTBEAT_FILE if local_rank == 0 else f"heartbeat.local{local_rank}.json"
+
+
+def worker_exit_file(local_rank: int = 0) -> str:
+    """Where the rank wrapper records local rank `local_rank`'s exit code."""
+    return f"worker_exit.local{local_rank}.json"
+
+
+# ----------------------------------------------------------------------------- environment
 
 # Test-only fault injection read by the worker (never set in production):
 #   M3RUN_FAULT="nan_at_step=7"     the loss of optimizer step 7 becomes NaN (all micro-batches);
@@ -56,86 +79,208 @@ SUPERVISOR_LOG = "supervisor.log"
 #                                   fails mid-write with an injected OSError (EIO)
 # Several faults are separated by commas. Each fires once per process unless named *_from_*.
 FAULT_ENV = "M3RUN_FAULT"
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
-    """Write text to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = False) -> None:
-    """Write JSON beside ``path`` and rename it over ``path`` (readers never see a half-written
-    file)."""
-    atomic_write_text(path, json.dumps(data, sort_keys=True), fsync=fsync)
-
-
-def read_json(path: str | os.PathLike) -> dict | None:
-    """Read a JSON object, or None if the file is missing or not (yet) valid JSON."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError, IsADirectoryError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    """Append one JSON record as a single write (O_APPEND keeps concurrent lines whole)."""
-    line = json.dumps(record, sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a JSONL file (a torn last line from a killed writer is skipped)."""
-    out: list[dict] = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict):
-                    out.append(rec)
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def now() -> float:
-    return time.time()
-
-
 # Test-only companion of FAULT_ENV, read by the supervisor: "first" passes M3RUN_FAULT to the
 # first worker it starts only, so a chaos test can make one worker misbehave and check that the
 # restarted one heals the run; "all" (the default) passes it to every worker.
 FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
 
-# The preflight smoke test's result, written by the supervisor's smoke subprocess.
-SMOKE_FILE = "smoke.json"
+# ----------------------------------------------------------------------------- phases
 
 
-# `m3run stop --grace S` writes {"grace_s": S, "time": ...} here before signalling the
-# supervisor; the supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
-STOP_REQUEST_FILE = "stop_request.json"
+class SupervisorPhase(StrEnum):
+    """state.json "phase"."""
+
+    PREFLIGHT = "preflight"  # lock taken, config frozen, GPU health gate and smoke test running
+    RUNNING = "running"  # a worker is alive and supervised
+    RESTARTING = "restarting"  # the worker died or hung; waiting out the backoff
+    STOPPING = "stopping"  # a stop or preemption was requested; the worker is saving
+    FINISHED = "finished"  # the worker trained to total_steps (supervisor exit 0)
+    STOPPED = "stopped"  # stopped by the user after a save (supervisor exit 0)
+    PREEMPTED = "preempted"  # cloud preemption notice; saved and exited (supervisor exit 75)
+    FAILED = "failed"  # gave up: bad config, unhealthy GPU, restart budget (exit 78/69/70)
+    # Never written: reported by readers when state.json claims an active phase but the
+    # supervisor's pid is gone (it was SIGKILLed, OOM-killed, or the host rebooted).
+    DEAD = "dead"
 
 
-def worker_exit_file(local_rank: int = 0) -> str:
-    """Under torchrun (which exits 1 whatever its ranks' codes were) each rank's protocol exit
-    code is recorded here by the supervisor's rank wrapper (`python -m runner.supervisor rank`)."""
-    return f"worker_exit.local{local_rank}.json"
+ACTIVE_PHASES = frozenset(
+    {
+        SupervisorPhase.PREFLIGHT,
+        SupervisorPhase.RUNNING,
+        SupervisorPhase.RESTARTING,
+        SupervisorPhase.STOPPING,
+    }
+)
+TERMINAL_PHASES = frozenset(
+    {
+        SupervisorPhase.FINISHED,
+        SupervisorPhase.STOPPED,
+        SupervisorPhase.PREEMPTED,
+        SupervisorPhase.FAILED,
+    }
+)
+
+
+class WorkerPhase(StrEnum):
+    """heartbeat.json "phase"."""
+
+    STARTUP = "startup"  # building the model and optimizer, loading a checkpoint
+    COMPILING = "compiling"  # the first steps under torch.compile / Triton autotuning
+    TRAINING = "training"
+    CHECKPOINTING = "checkpointing"  # waiting for a checkpoint write
+    EVAL = "eval"
+    STOPPING = "stopping"  # a stop was requested: saving, then exit 75
+    FINISHED = "finished"  # the last heartbeat before exit 0
+    STOPPED = "stopped"  # the last heartbeat before exit 75
+    FAILED = "failed"  # the last heartbeat before exit 76
+
+
+# The worker's last phase before it exits, and the exit code each stands for.
+FINAL_WORKER_PHASES = {
+    WorkerPhase.FINISHED: EXIT_OK,
+    WorkerPhase.STOPPED: EXIT_STOPPED,
+    WorkerPhase.FAILED: EXIT_NAN,
+}
+
+# ----------------------------------------------------------------------------- records
+
+
+def _number(value: Any) -> float | None:
+    """A finite int or float from a JSON value, else None (bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _phase(enum: type[StrEnum], value: Any) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """heartbeat.json: what a worker rank last said about itself. Written by the worker (atomic
+    replace, every log.heartbeat_interval_s at most); read by the supervisor for hang detection
+    and VRAM, and by `m3run status`. Every field but ``ts`` may be missing."""
+
+    ts: float
+    phase: WorkerPhase | None = None
+    pid: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    vram_bytes: int | None = None
+    step_time_s: float | None = None
+    checkpoint_time_s: float | None = None
+    checkpoint_write_s: float | None = None
+    checkpoint_in_flight_step: int | None = None
+    last_checkpoint_step: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> Heartbeat | None:
+        """The record, or None when `data` has no numeric ``ts`` (missing, torn or foreign).
+        Fields of the wrong type read as missing."""
+        if not data or _number(data.get("ts")) is None:
+            return None
+        values: dict[str, Any] = {"ts": float(data["ts"])}
+        for f in dataclasses.fields(cls):
+            if f.name == "ts":
+                continue
+            raw = data.get(f.name)
+            if f.name == "phase":
+                values["phase"] = _phase(WorkerPhase, raw)
+            elif f.name in _HEARTBEAT_INTS:
+                values[f.name] = _int(raw)
+            else:
+                values[f.name] = _number(raw)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_HEARTBEAT_INTS = frozenset(
+    {
+        "pid",
+        "step",
+        "total_steps",
+        "vram_bytes",
+        "checkpoint_in_flight_step",
+        "last_checkpoint_step",
+    }
+)
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """worker_exit.local<r>.json: one torchrun rank's protocol exit code."""
+
+    code: int
+    pid: int
+    time: float
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> WorkerExit | None:
+        if not data:
+            return None
+        code, pid, when = _int(data.get("code")), _int(data.get("pid")), _number(data.get("time"))
+        if code is None or pid is None or when is None:
+            return None
+        return cls(code=code, pid=pid, time=float(when))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """stop_request.json: `m3run stop --grace S` asks for at most S seconds of save time."""
+
+    grace_s: float
+    time: float
+    pid: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> StopRequest | None:
+        if not data:
+            return None
+        grace, when = _number(data.get("grace_s")), _number(data.get("time"))
+        if grace is None or when is None:
+            return None
+        return cls(grace_s=float(grace), time=float(when), pid=_int(data.get("pid")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SmokeVerdict:
+    """smoke.json: the preflight smoke subprocess's verdict."""
+
+    ok: bool
+    message: str
+    checks: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> SmokeVerdict | None:
+        if not data or not isinstance(data.get("ok"), bool):
+            return None
+        checks = data.get("checks")
+        return cls(
+            ok=data["ok"],
+            message=str(data.get("message")),
+            checks=checks if isinstance(checks, list) else [],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -7,7 +7,6 @@ belong to the processes that wrote them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -18,37 +17,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from runner.files import append_jsonl, atomic_write_json, read_json, read_jsonl
+from runner.procs import kill_group, process_matches
 from runner.protocol import (
+    ACTIVE_PHASES,
     EVENTS_FILE,
     HEARTBEAT_FILE,
     METRICS_FILE,
     STATE_FILE,
     STOP_REQUEST_FILE,
     SUPERVISOR_LOG,
+    TERMINAL_PHASES,
     WORKER_LOG,
-    append_jsonl,
-    atomic_write_json,
-    read_json,
-    read_jsonl,
+    SupervisorPhase,
 )
-
-# Supervisor phases (state.json "phase").
-PREFLIGHT = "preflight"  # lock taken, config frozen, GPU health gate and smoke test running
-RUNNING = "running"  # a worker is alive and supervised
-RESTARTING = "restarting"  # the worker died or hung; waiting out the backoff before a relaunch
-STOPPING = "stopping"  # a stop or preemption was requested; the worker is saving
-FINISHED = "finished"  # the worker trained to total_steps (supervisor exit 0)
-STOPPED = "stopped"  # stopped by the user after a save (supervisor exit 0)
-PREEMPTED = "preempted"  # cloud preemption notice; saved and exited (supervisor exit 75)
-FAILED = "failed"  # gave up: bad config, unhealthy GPU, restart budget (exit 78/69/70)
-# Not written by the supervisor: reported by readers when state.json says the supervisor is
-# active but its pid is gone (it was SIGKILLed, OOM-killed, or the host rebooted).
-DEAD = "dead"
-
-ACTIVE_PHASES = frozenset({PREFLIGHT, RUNNING, RESTARTING, STOPPING})
-TERMINAL_PHASES = frozenset({FINISHED, STOPPED, PREEMPTED, FAILED})
 
 RUNS_ROOT = Path("runs")
 # Slack on top of the supervisor's own hang allowance before the liveness check calls a run
@@ -57,8 +39,6 @@ LIVENESS_SLACK_S = 30.0
 # The supervisor refreshes state.json every few seconds while it watches; its longest blocking
 # steps (hashing checkpoints to pick a resume step, waiting for GPU memory) take minutes at most.
 SUPERVISOR_STALE_S = 600.0
-# psutil derives create times from clock ticks since boot; two reads can differ by rounding.
-_CREATE_TIME_TOLERANCE_S = 0.5
 
 
 class RunNotFoundError(Exception):
@@ -109,22 +89,6 @@ def _names(runs_root: Path) -> str:
 # --------------------------------------------------------------------------- processes
 
 
-def process_matches(pid: Any, create_time: Any) -> bool:
-    """True if `pid` is alive and is the process that recorded `create_time` (not a reused pid)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        actual = proc.create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    if not isinstance(create_time, (int, float)):
-        return True  # nothing recorded to compare against: alive is the best we know
-    return abs(actual - create_time) <= _CREATE_TIME_TOLERANCE_S
-
-
 def supervisor_alive(state: dict | None) -> bool:
     if not state:
         return False
@@ -137,7 +101,7 @@ def effective_phase(state: dict | None) -> str | None:
         return None
     phase = state.get("phase")
     if phase in ACTIVE_PHASES and not supervisor_alive(state):
-        return DEAD
+        return SupervisorPhase.DEAD
     return phase
 
 
@@ -188,7 +152,7 @@ def _last_train_metrics(run_dir: Path) -> dict:
 
 
 def _last_complete_checkpoint(run_dir: Path) -> int | None:
-    from runner.checkpoint import CheckpointError, list_checkpoints
+    from runner.checkpoint.layout import CheckpointError, list_checkpoints
 
     try:
         # Sizes only: status must stay instant even with many multi-GB checkpoints.
@@ -292,7 +256,7 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
     if not state:
         return False, f"no {STATE_FILE} in {run_dir}: no supervisor has run here"
     phase = effective_phase(state)
-    if phase == DEAD:
+    if phase == SupervisorPhase.DEAD:
         return False, (
             f"supervisor pid {state.get('supervisor_pid')} is gone but {STATE_FILE} "
             f"says {state.get('phase')!r}"
@@ -305,7 +269,7 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
             f"supervisor pid {state['supervisor_pid']} has not updated {STATE_FILE} for "
             f"{now - updated:.0f}s (it refreshes it every few seconds); it is stuck"
         )
-    if phase != RUNNING:
+    if phase != SupervisorPhase.RUNNING:
         return True, f"phase {phase}; supervisor pid {state['supervisor_pid']} alive"
     hb = read_heartbeat(run_dir)
     started = state.get("worker_started_at") or 0.0
@@ -427,10 +391,10 @@ def stop_run(
     if phase in TERMINAL_PHASES:
         say(f"{run_dir} is not running: phase {phase} ({state.get('reason') or 'no reason'})")
         return 1
-    if phase == DEAD:
+    if phase == SupervisorPhase.DEAD:
         worker = state.get("worker_pid")
         if force and process_matches(worker, state.get("worker_create_time")):
-            _kill_group(worker)
+            kill_group(worker)
             _mark_killed(
                 run_dir,
                 state,
@@ -474,7 +438,7 @@ def stop_run(
         if phase in TERMINAL_PHASES:
             say(f"{run_dir}: {phase} ({state.get('reason') or 'no reason'})")
             return 0
-        if phase == DEAD:
+        if phase == SupervisorPhase.DEAD:
             say(
                 f"{run_dir}: supervisor pid {pid} exited without recording a final phase; see "
                 f"{Path(run_dir) / SUPERVISOR_LOG}"
@@ -491,7 +455,7 @@ def stop_run(
         return 1
     worker = state.get("worker_pid")
     if process_matches(worker, state.get("worker_create_time")):
-        _kill_group(worker)
+        kill_group(worker)
     if process_matches(pid, state.get("supervisor_create_time")):
         os.kill(pid, signal.SIGKILL)
     _mark_killed(run_dir, state, f"killed by `m3run stop --force` after {grace:g}s + margin")
@@ -499,18 +463,12 @@ def stop_run(
     return 0
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the worker's process group (it leads its own session), then the pid itself."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
 def _mark_killed(run_dir: Path, state: dict, reason: str) -> None:
     """Record a forced stop the supervisor could not record itself."""
     state = dict(state)
-    state.update(phase=STOPPED, reason=reason, worker_pid=None, updated_at=time.time())
+    state.update(
+        phase=SupervisorPhase.STOPPED, reason=reason, worker_pid=None, updated_at=time.time()
+    )
     atomic_write_json(Path(run_dir) / STATE_FILE, state)
     append_jsonl(
         Path(run_dir) / EVENTS_FILE,
@@ -523,16 +481,6 @@ def _mark_killed(run_dir: Path, state: dict, reason: str) -> None:
 
 def log_path(run_dir: Path, supervisor: bool = False) -> Path:
     return Path(run_dir) / (SUPERVISOR_LOG if supervisor else WORKER_LOG)
-
-
-def tail_text(path: Path, lines: int) -> str:
-    """The last `lines` lines of a file (reads at most the last 4 MiB)."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - (4 << 20)))
-        data = f.read().decode("utf-8", errors="replace")
-    return "".join(data.splitlines(keepends=True)[-lines:]) if lines > 0 else ""
 
 
 def follow(

@@ -19,8 +19,9 @@ import torch
 from kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
 from model import Mamba3LM
 from model.lm import param_groups
+from runner.checkpoint import io as ckpt_io
+from runner.checkpoint import layout as ckpt
 
-from . import checkpoint as ckpt
 from .config import ConfigError, RunConfig
 from .data import BatchLoader, DataError, check_vocab, load_manifest
 
@@ -236,11 +237,11 @@ class _Smoke:
             raise CheckSkipped("no model: the forward/backward check failed")
         with tempfile.TemporaryDirectory(prefix="m3run-smoke-") as tmp:
             state = {k: v.detach() for k, v in self.model.state_dict().items()}
-            path = ckpt.save_checkpoint(tmp, 0, state, {"step": 0}, {"smoke": True})
+            path = ckpt_io.save_checkpoint(tmp, 0, state, {"step": 0}, {"smoke": True})
             ok, reason = ckpt.verify_checkpoint(path)
             if not ok:
                 raise CheckFailed(f"a checkpoint just written does not verify: {reason}")
-            loaded, _, _ = ckpt.load_checkpoint(path)
+            loaded, _, _ = ckpt_io.load_checkpoint(path)
             diff = [k for k in state if not torch.equal(loaded[k], state[k].cpu())]
             if diff:
                 raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")

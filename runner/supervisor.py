@@ -60,7 +60,8 @@ import structlog
 import yaml
 
 from runner import runstate
-from runner.checkpoint import CheckpointInfo, list_checkpoints, verify_checkpoint
+from runner.checkpoint.layout import CheckpointInfo, list_checkpoints, verify_checkpoint
+from runner.files import append_jsonl, atomic_write_json, atomic_write_text, read_json
 from runner.protocol import (
     CONFIG_FILE,
     EVENTS_FILE,
@@ -79,10 +80,6 @@ from runner.protocol import (
     STOP_REQUEST_FILE,
     SUPERVISOR_LOG,
     WORKER_LOG,
-    append_jsonl,
-    atomic_write_json,
-    atomic_write_text,
-    read_json,
     worker_exit_file,
 )
 from runner.runstate import (

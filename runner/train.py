@@ -27,9 +27,11 @@ import torch
 from kernels.mamba3 import BackendUnavailableError, resolve_backend
 from model import Mamba3LM
 from model.lm import param_groups
+from runner.checkpoint import io as ckpt_io
+from runner.checkpoint import layout as ckpt
+from runner.files import append_jsonl, atomic_write_json
 
 from . import __version__
-from . import checkpoint as ckpt
 from .config import ConfigError, RunConfig, config_hash, load_config
 from .data import BatchLoader, DataError, check_vocab, eval_batches
 from .protocol import (
@@ -40,8 +42,6 @@ from .protocol import (
     EXIT_STOPPED,
     FAULT_ENV,
     METRICS_FILE,
-    append_jsonl,
-    atomic_write_json,
     heartbeat_file,
 )
 from .runstate import format_duration
@@ -255,8 +255,8 @@ class Trainer:
         self.checkpoint_write_s: float | None = None  # write time of the latest complete save
         # checkpoint.async_save: the background writer (writer ranks), its reused host buffers,
         # and on non-writer ranks the step whose write is not yet known to be complete.
-        self._writer = ckpt.BackgroundWriter()
-        self._snapshot_buffers = ckpt.SnapshotBuffers()
+        self._writer = ckpt_io.BackgroundWriter()
+        self._snapshot_buffers = ckpt_io.SnapshotBuffers()
         self._unconfirmed_step: int | None = None
         self._longest_write_s = 0.0
         self.faults.before_crash = self._writer.join
@@ -479,7 +479,7 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint that latest_complete/find_step just verified."""
-        model_state, state, meta = ckpt.load_checkpoint(path, hashes_checked=True)
+        model_state, state, meta = ckpt_io.load_checkpoint(path, hashes_checked=True)
         if meta.get("config_hash") not in (None, config_hash(self.cfg)) and not self.force:
             print(
                 f"warning: checkpoint {path.name} was written under a different config "
@@ -521,13 +521,15 @@ class Trainer:
             state, meta = self._checkpoint_state()
             model_state = self.model.state_dict()
             if background:
-                cpu_model, cpu_optim = ckpt.snapshot(
+                cpu_model, cpu_optim = ckpt_io.snapshot(
                     model_state, state, buffers=self._snapshot_buffers
                 )
                 self._writer.submit(step, self._write_job(step, cpu_model, cpu_optim, meta))
             else:
-                cpu_model, cpu_optim = ckpt.snapshot(model_state, state)
-                result = ckpt.timed_write(step, self._write_job(step, cpu_model, cpu_optim, meta))
+                cpu_model, cpu_optim = ckpt_io.snapshot(model_state, state)
+                result = ckpt_io.timed_write(
+                    step, self._write_job(step, cpu_model, cpu_optim, meta)
+                )
                 path = result.path
         # Synchronous: no rank runs ahead of a checkpoint that is not on disk yet. Background:
         # the other ranks only need this snapshot taken (and, by the wait above, the previous
@@ -548,7 +550,7 @@ class Trainer:
 
     def _checkpoint_state(self) -> tuple[dict, dict]:
         """(optim.pt state, meta.json fields) of the current step. The tensors in the state are
-        the live ones: `ckpt.snapshot` copies them before training goes on."""
+        the live ones: `ckpt_io.snapshot` copies them before training goes on."""
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -586,7 +588,7 @@ class Trainer:
         faults = self.faults
 
         def job() -> Path:
-            path = ckpt.write_checkpoint(
+            path = ckpt_io.write_checkpoint(
                 run_dir, step, cpu_model, cpu_optim, meta,
                 before_meta=lambda: faults.during_save(step),
             )  # fmt: skip
@@ -602,7 +604,7 @@ class Trainer:
 
         return job
 
-    def _report_saved(self, result: ckpt.SaveResult) -> None:
+    def _report_saved(self, result: ckpt_io.SaveResult) -> None:
         """The checkpoint of `result.step` is complete on disk: now, and only now, say so."""
         self.last_checkpoint_step = result.step
         self.checkpoint_write_s = result.write_s

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
 
-from runner.checkpoint import list_checkpoints
+from runner.checkpoint.layout import list_checkpoints
+from runner.files import read_json, read_jsonl
 from runner.protocol import (
     EXIT_OK,
     EXIT_SOFTWARE,
@@ -34,8 +35,6 @@ from runner.protocol import (
     METRICS_FILE,
     STATE_FILE,
     WORKER_LOG,
-    read_json,
-    read_jsonl,
 )
 
 pytestmark = pytest.mark.slow
@@ -323,7 +322,7 @@ def test_sigstop_hang_is_detected_and_healed(corpus, reference, tmp_path):
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
 def test_cloud_preemption_notice_saves_and_exits_75(corpus, tmp_path, provider):
-    from fakes.metadata import FakeMetadataServer
+    from helpers.metadata_server import FakeMetadataServer
 
     with FakeMetadataServer(provider) as srv:
         sets = overrides(

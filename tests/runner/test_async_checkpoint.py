@@ -20,21 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from test_train import train_losses, worker_cmd
 
-from runner.checkpoint import (
-    BackgroundWriter,
+from runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
+from runner.checkpoint.layout import (
     CheckpointError,
-    SnapshotBuffers,
     checkpoint_dir,
     latest_complete,
     list_checkpoints,
-    snapshot,
     verify_checkpoint,
-    write_checkpoint,
 )
-from runner.protocol import read_json, read_jsonl
+from runner.files import read_json, read_jsonl
 
 # --------------------------------------------------------------------------- in process
 

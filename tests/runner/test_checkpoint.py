@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint import (
+from runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
+from runner.checkpoint.layout import (
     CheckpointError,
     apply_retention,
     checkpoint_dir,
@@ -25,13 +26,9 @@ from runner.checkpoint import (
     format_checkpoint_table,
     latest_complete,
     list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    sha256_file,
-    snapshot,
     verify_checkpoint,
-    write_checkpoint,
 )
+from runner.files import sha256_file
 
 
 def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -402,7 +399,7 @@ def test_discovery_half_never_imports_torch(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
-        import runner.checkpoint as c
+        import runner.checkpoint.layout as c
         run = {str(tmp_path)!r}
         infos = c.list_checkpoints(run)
         assert [(i.step, i.complete) for i in infos] == [(10, True), (20, False)], infos
@@ -426,7 +423,8 @@ _WRITER = textwrap.dedent(
     """
     import sys
     import torch
-    from runner.checkpoint import apply_retention, snapshot, write_checkpoint
+    from runner.checkpoint.layout import apply_retention
+    from runner.checkpoint.io import snapshot, write_checkpoint
 
     run_dir, counter = sys.argv[1], int(sys.argv[2])
     n = 1 << 19  # model 8 MiB + optimizer 16 MiB: big enough that a kill lands mid-write

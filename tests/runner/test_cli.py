@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from runner import runstate
 from runner.cli import app
+from runner.files import read_json, read_jsonl
 from runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
@@ -26,8 +27,6 @@ from runner.protocol import (
     STATE_FILE,
     SUPERVISOR_LOG,
     WORKER_LOG,
-    read_json,
-    read_jsonl,
 )
 from runner.supervisor import RunLock
 

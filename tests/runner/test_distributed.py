@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from test_train import run_worker, train_losses
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def _free_port() -> int:
 def test_two_supervisors_form_a_two_node_job_through_c10d(corpus, tmp_path):
     """Two hosts simulated on 127.0.0.1: each has its own supervisor and run dir, node 0 hosts
     the rendezvous; both train the same steps and both hold the final checkpoint."""
-    from runner.checkpoint import latest_complete
+    from runner.checkpoint.layout import latest_complete
 
     ov = tiny_run_overrides(corpus, **{"train.total_steps": 8, "train.grad_accum_steps": 2})
     one = run_worker(tmp_path / "one", ov)

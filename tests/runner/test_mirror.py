@@ -15,19 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from safetensors.torch import load_file
 
-from runner.checkpoint import (
+from runner.checkpoint.io import save_checkpoint
+from runner.checkpoint.layout import (
     checkpoint_dir,
     latest_complete,
     list_checkpoints,
-    save_checkpoint,
     verify_checkpoint,
 )
 from runner.config import ConfigError, load_config
+from runner.files import read_json, read_jsonl
 from runner.mirror import MIRROR_FILE, Mirror, MirrorError, MirrorUploader, read_lag
-from runner.protocol import EXIT_STOPPED, read_json, read_jsonl
+from runner.protocol import EXIT_STOPPED
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
@@ -360,7 +361,7 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
     75) with its checkpoints mirrored; the same launch on node 2, with an empty run dir, restores
     the newest one from the mirror and finishes with the uninterrupted run's losses and weights,
     bit for bit."""
-    from fakes.metadata import FakeMetadataServer
+    from helpers.metadata_server import FakeMetadataServer
 
     url = f"s3://{s3.bucket()}/runs/e2e"
     # Long enough that the notice lands mid-run on a fast machine too: it is announced after

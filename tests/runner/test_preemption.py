@@ -1,4 +1,4 @@
-"""Preemption watchers against real HTTP metadata fakes on 127.0.0.1 (tests/fakes/metadata.py).
+"""Preemption watchers against real HTTP metadata fakes on 127.0.0.1 (tests/helpers/metadata_server.py).
 
 No request in this file leaves the loopback interface: every watcher and every detection call
 is given a 127.0.0.1 base URL (or the "none" provider, which sends nothing).
@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from fakes.metadata import FakeMetadataServer
+from helpers.metadata_server import FakeMetadataServer
 
 from runner.preemption import (
     PROVIDERS,

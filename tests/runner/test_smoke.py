@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import DEMO_CONFIG, tiny_run_overrides
+from helpers.runs import DEMO_CONFIG, tiny_run_overrides
 
 from runner.config import load_config
 from runner.smoke import CHECKS, run_smoke

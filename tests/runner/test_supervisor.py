@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from runner import runstate
-from runner.checkpoint import list_checkpoints
+from runner.checkpoint.layout import list_checkpoints
+from runner.files import read_json, read_jsonl
 from runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
@@ -30,8 +31,6 @@ from runner.protocol import (
     FAULT_SCOPE_ENV,
     STATE_FILE,
     WORKER_LOG,
-    read_json,
-    read_jsonl,
 )
 from runner.supervisor import (
     EXIT_REFUSED,
@@ -491,7 +490,7 @@ def test_preemption_request_saves_and_exits_75(tmp_path, standin):
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
 def test_metadata_preemption_notice_stops_the_run(tmp_path, standin, provider):
-    from fakes.metadata import FakeMetadataServer
+    from helpers.metadata_server import FakeMetadataServer
 
     run_dir = make_run(tmp_path, [{"steps": 10**6}])
     with FakeMetadataServer(provider) as srv:

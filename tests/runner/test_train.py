@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from safetensors.torch import load_file
 
-from runner.checkpoint import latest_complete, list_checkpoints
+from runner.checkpoint.layout import latest_complete, list_checkpoints
 from runner.config import load_config
-from runner.protocol import read_jsonl
+from runner.files import read_jsonl
 from runner.train import lr_at
 
 pytestmark = pytest.mark.slow

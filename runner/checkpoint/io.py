@@ -1,345 +1,50 @@
-"""Atomic, verifiable checkpoints: `<run_dir>/checkpoints/step_00004000/{model.safetensors,
-optim.pt, meta.json}`.
-
-Two halves with different import weights:
-
-* discovery and verification (`checkpoint_dir`, `verify_checkpoint`, `list_checkpoints`,
-  `latest_complete`, `find_step`, `apply_retention`, `format_checkpoint_table`, `sha256_file`)
-  are plain Python. The supervisor and the light CLI commands use them and never import torch.
-* saving and loading (`snapshot`, `write_checkpoint`, `save_checkpoint`, `load_checkpoint`)
-  import torch and safetensors inside the function.
-
-Write protocol (one worker owns a run dir, so there is one writer at a time):
-  1. remove stale `.tmp-*` / `.del-*` entries left by a writer that was killed;
-  2. write model.safetensors and optim.pt into `checkpoints/.tmp-step_XXXXXXXX-<pid>-<rand>/`,
-     fsync each, hash what was written;
-  3. write meta.json LAST (it records the sha256 and size of the other two), fsync it, fsync the
-     directory;
-  4. rename the directory into place (an existing one for the same step is first renamed aside
-     to `.del-*`), fsync `checkpoints/`, remove the old copy.
-A checkpoint is *complete* only when meta.json parses and both hashes match, so a writer killed
-at any instant leaves either a complete checkpoint or one that discovery reports as torn.
+"""Saving and loading checkpoints (torch): the write protocol of
+:mod:`runner.checkpoint.layout`, the snapshot buffers and the background writer.
 
 Saving without stalling training (`SnapshotBuffers`, `BackgroundWriter`): the training loop only
 waits for `snapshot(..., buffers=...)`, a device→host copy into CPU tensors allocated once (pinned
-when the source is on CUDA) and reused by every later snapshot; `write_checkpoint` (the protocol
-above, unchanged) and retention then run on one background thread while training goes on. The
-caller keeps at most one write in flight and must not snapshot into the buffers again before
-collecting it, since the writer is still reading them.
+when the source is on CUDA) and reused by every later snapshot; `write_checkpoint` and retention
+then run on one background thread while training goes on. The caller keeps at most one write in
+flight and must not snapshot into the buffers again before collecting it, since the writer is
+still reading them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from runner.checkpoint.layout import (
+    DATA_FILES,
+    DEL_PREFIX,
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_FILE,
+    OPTIM_FILE,
+    RESERVED_META_KEYS,
+    TMP_PREFIX,
+    CheckpointError,
+    check_step,
+    checkpoint_dir,
+    dir_bytes,
+    read_and_verify,
+    remove_leftovers,
+)
+from runner.files import fsync_path, sha256_file
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-MODEL_FILE = "model.safetensors"
-OPTIM_FILE = "optim.pt"
-META_FILE = "meta.json"
-DATA_FILES = (MODEL_FILE, OPTIM_FILE)
-CHECKPOINTS_SUBDIR = "checkpoints"
-TMP_PREFIX = ".tmp-"
-DEL_PREFIX = ".del-"
-# Keys save_checkpoint writes itself; a caller passing them would be silently overwritten.
-RESERVED_META_KEYS = frozenset({"format_version", "files", "saved_at"})
-
-_STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
-_HASH_BLOCK = 1 << 20  # 1 MiB: large enough that hashlib runs without the GIL most of the time
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, torn or corrupt, or could not be written. The message names the
-    path and what to do about it."""
-
-
-@dataclass
-class CheckpointInfo:
-    """One `step_XXXXXXXX` directory as discovery sees it."""
-
-    step: int
-    path: Path
-    complete: bool
-    reason: str | None  # why it is not complete; None when complete
-    meta: dict | None  # parsed meta.json when it parses, else None
-
-
-# --------------------------------------------------------------------------- paths & hashing
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(
-            f"checkpoint step must be a non-negative int, got {step!r}; pass the "
-            "optimizer step count"
-        )
-    return step
-
-
-def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
-    """`<run_dir>/checkpoints/step_<step zero-padded to 8 digits>`."""
-    return Path(run_dir) / CHECKPOINTS_SUBDIR / f"step_{_check_step(step):08d}"
-
-
-def step_of_dirname(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, or None for anything else."""
-    m = _STEP_DIR_RE.match(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    # Only the canonical spelling, so `step_4000` and `step_00004000` cannot both claim a step.
-    return step if name == f"step_{step:08d}" else None
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fsync_path(path: Path, directory: bool = False) -> None:
-    """fsync a file's data, or with `directory=True` a directory's entries (renames)."""
-    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_dir(path: Path) -> None:
-    """Rename aside to `.del-*`, make the rename durable, then delete. A crash mid-delete leaves
-    only a `.del-*` directory, which discovery ignores and the next save removes."""
-    aside = path.parent / f"{DEL_PREFIX}{path.name}-{os.getpid()}-{os.urandom(4).hex()}"
-    os.rename(path, aside)
-    fsync_path(path.parent, directory=True)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _remove_stale(root: Path) -> None:
-    """Remove `.tmp-*` and `.del-*` left by a killed writer. Safe because one worker owns the run
-    dir: nothing else can be writing here while this process saves."""
-    for entry in os.scandir(root):
-        if entry.name.startswith((TMP_PREFIX, DEL_PREFIX)):
-            log.info("removing stale checkpoint leftover %s", entry.path)
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                Path(entry.path).unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- verification
-
-
-def _read_meta(path: Path) -> tuple[dict | None, str | None]:
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        return None, f"{META_FILE} missing (the writer stopped before finishing)"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, f"{META_FILE} unreadable: {e}"
-    if not isinstance(meta, dict):
-        return None, f"{META_FILE} is a JSON {type(meta).__name__}, expected an object"
-    return meta, None
-
-
-def _check_meta(path: Path, meta: dict) -> str | None:
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            return (
-                f"format_version {version} is newer than this m3run reads ({FORMAT_VERSION}); "
-                "upgrade m3run"
-            )
-        return f"format_version {version!r} is not supported (expected {FORMAT_VERSION})"
-    dir_step = step_of_dirname(path.name)
-    if dir_step is not None and meta.get("step") != dir_step:
-        return f"{META_FILE} says step {meta.get('step')!r} but the directory is {path.name}"
-    files = meta.get("files")
-    if not isinstance(files, dict):
-        return f"{META_FILE} has no 'files' table"
-    for name in DATA_FILES:
-        rec = files.get(name)
-        if (
-            not isinstance(rec, dict)
-            or not isinstance(rec.get("sha256"), str)
-            or not isinstance(rec.get("bytes"), int)
-        ):
-            return f"{META_FILE} has no sha256/bytes record for {name}"
-    return None
-
-
-def _verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
-    if not path.is_dir():
-        return None, "not a directory" if path.exists() else "does not exist"
-    meta, reason = _read_meta(path)
-    if meta is None:
-        return None, reason
-    reason = _check_meta(path, meta)
-    if reason is not None:
-        return meta, reason
-    for name in DATA_FILES:
-        rec = meta["files"][name]
-        fpath = path / name
-        try:
-            size = fpath.stat().st_size
-        except FileNotFoundError:
-            return meta, f"{name} missing"
-        if size != rec["bytes"]:
-            return meta, f"{name} is {size} bytes, {META_FILE} records {rec['bytes']}"
-        if full:
-            try:
-                digest = sha256_file(fpath)
-            except FileNotFoundError:  # removed by retention while being read
-                return meta, f"{name} vanished while being verified"
-            if digest != rec["sha256"]:
-                return meta, (
-                    f"sha256 mismatch in {name} (recorded {rec['sha256'][:12]}…, "
-                    f"found {digest[:12]}…)"
-                )
-    return meta, None
-
-
-def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> tuple[bool, str | None]:
-    """(complete, reason). `full=False` checks meta.json and the file sizes only (no hashing);
-    `full=True` also checks both sha256 digests. Never imports torch."""
-    _, reason = _verify(Path(path), full)
-    return reason is None, reason
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def _checkpoints_root(run_dir: str | os.PathLike) -> Path:
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(
-            f"run directory {run_dir} does not exist; pass the run directory "
-            "(runs/<name>) that holds checkpoints/"
-        )
-    return run_dir / CHECKPOINTS_SUBDIR
-
-
-def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every canonical step directory, ascending; leftovers are ignored."""
-    root = _checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in os.scandir(root):
-        step = step_of_dirname(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            found.append((step, Path(entry.path)))
-    return sorted(found)
-
-
-def _info(step: int, path: Path, full: bool) -> CheckpointInfo:
-    meta, reason = _verify(path, full)
-    return CheckpointInfo(step=step, path=path, complete=reason is None, reason=reason, meta=meta)
-
-
-def list_checkpoints(run_dir: str | os.PathLike, verify: bool = True) -> list[CheckpointInfo]:
-    """Every step directory under `<run_dir>/checkpoints`, sorted by step, incomplete ones
-    included with the reason. `verify=True` hashes both files of each checkpoint; `verify=False`
-    checks meta.json and sizes only (fast, what `m3run status` uses). `.tmp-*` and `.del-*`
-    leftovers are not listed."""
-    return [_info(step, path, full=verify) for step, path in _step_dirs(run_dir)]
-
-
-def latest_complete(
-    run_dir: str | os.PathLike, before_step: int | None = None
-) -> CheckpointInfo | None:
-    """The newest fully verified checkpoint (with step < before_step if given), or None. Hashes
-    newest first and stops at the first complete one."""
-    for step, path in reversed(_step_dirs(run_dir)):
-        if before_step is not None and step >= before_step:
-            continue
-        info = _info(step, path, full=True)
-        if info.complete:
-            return info
-        log.warning("skipping incomplete checkpoint %s: %s", path, info.reason)
-    return None
-
-
-def _complete_steps_text(run_dir: str | os.PathLike) -> str:
-    # Sizes only: this is an error message, and hashing every checkpoint could take minutes.
-    steps = [i.step for i in list_checkpoints(run_dir, verify=False) if i.complete]
-    return ", ".join(map(str, steps)) if steps else "none"
-
-
-def find_step(run_dir: str | os.PathLike, step: int) -> CheckpointInfo:
-    """The fully verified checkpoint for `step`; CheckpointError if it is missing or incomplete."""
-    path = checkpoint_dir(run_dir, step)
-    root = _checkpoints_root(run_dir)
-    if not path.is_dir():
-        raise CheckpointError(
-            f"no checkpoint for step {step} in {root}; complete checkpoints: "
-            f"{_complete_steps_text(run_dir)}. Resume from one of these, or omit the step to "
-            "resume from the latest complete one"
-        )
-    info = _info(step, path, full=True)
-    if not info.complete:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete: {info.reason}. Complete checkpoints: "
-            f"{_complete_steps_text(run_dir)}. Resume from one of these, or omit the step to "
-            "resume from the latest complete one"
-        )
-    return info
-
-
-# --------------------------------------------------------------------------- retention
-
-
-def apply_retention(
-    run_dir: str | os.PathLike, keep_last: int, protect: Iterable[int] = frozenset()
-) -> list[int]:
-    """Delete complete checkpoints beyond the newest `keep_last` and incomplete step directories
-    older than the newest complete one, never a step in `protect`. Returns the deleted steps.
-
-    Completeness here is meta.json + sizes (no hashing): retention runs after every save and
-    hashing every kept checkpoint each time would cost more than the save."""
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(
-            f"keep_last must be an int >= 1, got {keep_last!r}; to keep every "
-            "checkpoint, do not call apply_retention"
-        )
-    protect = set(protect)
-    infos = list_checkpoints(run_dir, verify=False)
-    complete = [i for i in infos if i.complete]
-    if not complete:
-        return []
-    newest_complete = complete[-1].step
-    doomed = [i for i in complete[:-keep_last] if i.step not in protect]
-    doomed += [
-        i for i in infos if not i.complete and i.step < newest_complete and i.step not in protect
-    ]
-    deleted = []
-    for info in sorted(doomed, key=lambda i: i.step):
-        _remove_dir(info.path)
-        deleted.append(info.step)
-    return deleted
-
-
 # --------------------------------------------------------------------------- saving
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes)
@@ -561,7 +266,7 @@ def write_checkpoint(
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    step = _check_step(step)
+    step = check_step(step)
     _check_model_state(cpu_model_state)
     for key, t in cpu_model_state.items():
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
@@ -584,7 +289,7 @@ def write_checkpoint(
         if not root.is_dir():
             root.mkdir(exist_ok=True)
             fsync_path(root.parent, directory=True)
-        _remove_stale(root)
+        remove_leftovers(root)
         # Not mkdtemp: its 0700 mode would survive the rename; this one follows the umask.
         tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
         tmp.mkdir()
@@ -661,7 +366,7 @@ def timed_write(step: int, job: Callable[[], Path]) -> SaveResult:
     """Run `job` (write the checkpoint for `step`, return its directory) and time it."""
     t0 = time.perf_counter()
     path = job()
-    return SaveResult(step, path, time.perf_counter() - t0, _dir_bytes(path))
+    return SaveResult(step, path, time.perf_counter() - t0, dir_bytes(path))
 
 
 class BackgroundWriter:
@@ -764,7 +469,7 @@ def load_checkpoint(
     from safetensors.torch import load_file
 
     path = Path(path)
-    meta, reason = _verify(path, full=not hashes_checked)
+    meta, reason = read_and_verify(path, full=not hashes_checked)
     if reason is not None:
         raise CheckpointError(
             f"checkpoint {path} is not complete: {reason}. Pick a complete one "
@@ -788,43 +493,3 @@ def load_checkpoint(
             "a dict; pick another checkpoint"
         )
     return model_state, optim_state, meta
-
-
-# --------------------------------------------------------------------------- display
-
-
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _dir_bytes(path: Path) -> int:
-    try:
-        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
-    except OSError:
-        return 0
-
-
-def format_checkpoint_table(infos: Iterable[CheckpointInfo]) -> str:
-    """Plain-text table for `m3run checkpoints DIR`: step, status, size on disk, saved_at (UTC)."""
-    rows = [("STEP", "STATUS", "SIZE", "SAVED_AT (UTC)")]
-    for info in infos:
-        status = "complete" if info.complete else f"torn: {info.reason}"
-        saved = info.meta.get("saved_at") if info.meta else None
-        saved_text = (
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))
-            if isinstance(saved, (int, float))
-            else "-"
-        )
-        rows.append((str(info.step), status, _human_bytes(_dir_bytes(info.path)), saved_text))
-    if len(rows) == 1:
-        return "no checkpoints"
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join(
-        f"{r[0]:>{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}".rstrip()
-        for r in rows
-    )

@@ -1,0 +1,149 @@
+"""Process mechanics: spawn a child in its own session with its output in a log, signal its
+group, terminate-then-kill, tell a live pid from a reused one, follow a log. Torch-free.
+
+Every child m3run starts (the worker, torchrun, the smoke test, the NVML probe, a detached
+supervisor) leads its own session, so one killpg reaches it and everything it started (ranks,
+data-loader processes) and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# psutil derives create times from clock ticks since boot; two reads can differ by rounding.
+_CREATE_TIME_TOLERANCE_S = 0.5
+
+
+def create_time(pid: int) -> float | None:
+    """The process's start time (seconds since the epoch), None if it is gone or hidden."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def process_matches(pid: Any, recorded_create_time: Any) -> bool:
+    """True if `pid` is alive and is the process that recorded `recorded_create_time` (not a
+    reused pid)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        actual = proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    if not isinstance(recorded_create_time, (int, float)):
+        return True  # nothing recorded to compare against: alive is the best we know
+    return abs(actual - recorded_create_time) <= _CREATE_TIME_TOLERANCE_S
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the process group `pid` leads; a group already gone is not an error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the group `pid` leads, then the pid itself (in case it left its group)."""
+    signal_group(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def terminate_then_kill(
+    pid: int, grace_s: float, alive: Callable[[], bool], poll_s: float = 0.1
+) -> bool:
+    """SIGTERM the group `pid` leads, wait up to `grace_s` while `alive()`, then SIGKILL it.
+    Returns True if it exited within the grace."""
+    signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and alive():
+        time.sleep(poll_s)
+    exited = not alive()
+    kill_group(pid)
+    return exited
+
+
+def spawn_logged(
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    header: str | None = None,
+) -> tuple[subprocess.Popen, int]:
+    """Start `argv` in a new session, stdin closed, stdout and stderr appended to `log_path`
+    (after a `--- header` line when given). Returns the process and the log offset at which
+    its output starts."""
+    with open(log_path, "ab") as log_file:
+        if header is not None:
+            log_file.write(f"--- {header}\n".encode())
+            log_file.flush()
+        offset = log_file.tell()
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    return proc, offset
+
+
+def command_line(argv: Sequence[str]) -> str:
+    return shlex.join(argv)
+
+
+def describe_exit(code: int) -> str:
+    """`exit 1`, or `killed by SIGKILL` for a negative Popen return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit {code}"
+
+
+class LogTail:
+    """New complete lines appended to a file since a byte offset (a child's log)."""
+
+    def __init__(self, path: Path, offset: int):
+        self.path, self.offset, self._partial = path, offset, b""
+
+    def lines(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(1 << 20)
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        *complete, self._partial = data.split(b"\n")
+        if final and self._partial:
+            complete.append(self._partial)
+            self._partial = b""
+        return [c.decode("utf-8", errors="replace") + "\n" for c in complete]
+
+
+def tail_text(path: Path, lines: int) -> str:
+    """The last `lines` lines of a file (reads at most the last 4 MiB)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - (4 << 20)))
+        data = f.read().decode("utf-8", errors="replace")
+    return "".join(data.splitlines(keepends=True)[-lines:]) if lines > 0 else ""
