@@ -57,7 +57,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from runner.data import prepare_data
+    from runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
     preset = a.preset or ("434m" if gpu else "tiny")

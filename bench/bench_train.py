@@ -148,7 +148,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (the 434m step is not a CPU workload)")
-    from runner.data import prepare_data
+    from runner.data.prepare import prepare_data
 
     device = torch.device("cuda")
     peak = matmul_peak_flops(device)

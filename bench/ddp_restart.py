@@ -42,7 +42,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from runner.checkpoint import latest_complete
-    from runner.data import prepare_data
+    from runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
     work = Path(tempfile.mkdtemp(prefix="ddp-restart-"))

@@ -401,8 +401,8 @@ def prepare_data(
     ] = None,
 ) -> None:
     """Tokenise text into token shards with a manifest (train/ and val/ under --out)."""
-    from runner.data import DataError
-    from runner.data import prepare_data as prepare
+    from runner.data.manifest import DataError
+    from runner.data.prepare import prepare_data as prepare
 
     try:
         summary = prepare(

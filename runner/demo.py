@@ -33,7 +33,7 @@ def sample() -> None:
     from runner.checkpoint.io import load_checkpoint
     from runner.checkpoint.layout import latest_complete
     from runner.config import load_config
-    from runner.data import load_tokenizer
+    from runner.data.tokenizer import load_tokenizer
 
     info = latest_complete(RUN)
     if info is None:

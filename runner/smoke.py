@@ -23,7 +23,8 @@ from runner.checkpoint import io as ckpt_io
 from runner.checkpoint import layout as ckpt
 
 from .config import ConfigError, RunConfig
-from .data import BatchLoader, DataError, check_vocab, load_manifest
+from .data.loader import BatchLoader, check_vocab
+from .data.manifest import DataError, load_manifest
 
 
 class CheckFailed(Exception):

@@ -33,7 +33,8 @@ from runner.files import append_jsonl, atomic_write_json
 
 from . import __version__
 from .config import ConfigError, RunConfig, config_hash, load_config
-from .data import BatchLoader, DataError, check_vocab, eval_batches
+from .data.loader import BatchLoader, check_vocab, eval_batches
+from .data.manifest import DataError
 from .protocol import (
     CONFIG_FILE,
     EXIT_CONFIG,

@@ -13,18 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import runner.data
-from runner.data import (
-    EOS_TEXT,
-    BatchLoader,
-    DataError,
-    TokenWindows,
-    check_vocab,
-    eval_batches,
-    load_manifest,
-    load_tokenizer,
-    prepare_data,
-)
+import runner.data.prepare
+from runner.data.loader import BatchLoader, TokenWindows, check_vocab, eval_batches
+from runner.data.manifest import DataError, load_manifest
+from runner.data.prepare import prepare_data
+from runner.data.tokenizer import EOS_TEXT, load_tokenizer
 
 # Multi-byte characters and code-like symbols, so byte-level BPE has something to merge.
 WORDS = ["the", "a", "cat", "sat", "on", "mat", "über", "naïve", "数据", "alpha", "beta"]
@@ -190,7 +183,7 @@ def test_output_bytes_do_not_depend_on_workers(prepared, corpus, tmp_path, monke
     out, _ = prepared
     inputs, _, _ = corpus
     # Small work units, so the 32 documents really are spread over both processes.
-    monkeypatch.setattr(runner.data, "_CHUNK_DOCS", 3)
+    monkeypatch.setattr(runner.data.prepare, "_CHUNK_DOCS", 3)
     out2 = tmp_path / "two_workers"
     prepare_data(
         [str(p) for p in inputs],
