@@ -234,11 +234,12 @@ def _gpu_snapshot() -> list[dict] | dict | None:
     """Util/memory/temperature per GPU (runner.health's probe child), None without a GPU."""
     from dataclasses import asdict
 
-    from runner import health
+    from runner.health.checks import gpu_snapshot
+    from runner.health.probe import ProbeError
 
     try:
-        snap = health.gpu_snapshot(timeout_s=5.0)
-    except health.ProbeError as e:  # a sick GPU must not break `m3run status`
+        snap = gpu_snapshot(timeout_s=5.0)
+    except ProbeError as e:  # a sick GPU must not break `m3run status`
         return {"error": f"GPU probe failed: {e}"}
     return [asdict(d) for d in snap] or None
 

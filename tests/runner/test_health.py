@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
-from runner.health import (
-    FAKE_NVML_ENV,
-    HEALTH_EXIT_CODE,
+from runner.health.checks import (
     HealthReport,
-    ProbeError,
     check_gpu_health,
     gpu_snapshot,
     process_gpu_memory,
     wait_gpu_memory_released,
 )
+from runner.health.nvml import FAKE_NVML_ENV
+from runner.health.probe import ProbeError
+from runner.protocol import EXIT_UNAVAILABLE
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_real_nvml_on_this_machine_never_crashes_the_gate() -> None:
 def test_uncorrected_ecc_is_unhealthy(fake) -> None:
     report = check(fake({"devices": [{}, {"ecc_uncorrected": 3}]}))
     assert report.verdict == "unhealthy"
-    assert report.exit_code == HEALTH_EXIT_CODE
+    assert report.exit_code == EXIT_UNAVAILABLE
     finding = by_check(report, "ecc", 1)
     assert finding.status == "unhealthy"
     assert "3 uncorrected ECC error(s)" in finding.message and "Fix:" in finding.message
@@ -253,7 +253,7 @@ def test_hanging_nvml_is_unhealthy_within_the_timeout(fake, hang) -> None:
     elapsed = time.monotonic() - start
     assert 2 <= elapsed < 4.5
     assert report.verdict == "unhealthy"
-    assert report.exit_code == HEALTH_EXIT_CODE
+    assert report.exit_code == EXIT_UNAVAILABLE
     assert "NVML probe hung for 2 s" in by_check(report, "probe", None).message
 
 
@@ -283,7 +283,7 @@ def test_command_line_exit_code_and_json(fake) -> None:
     path = fake({"devices": [{"retired_pages_pending": True}]})
     cmd = [sys.executable, "-m", "runner.health", "--fake", str(path), "--json"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
-    assert run.returncode == HEALTH_EXIT_CODE, run.stderr
+    assert run.returncode == EXIT_UNAVAILABLE, run.stderr
     assert json.loads(run.stdout)["verdict"] == "unhealthy"
 
 
