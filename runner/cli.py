@@ -113,7 +113,7 @@ def launch(
     ] = False,
 ) -> None:
     """Freeze the config, check the GPU, smoke-test, then train under the supervisor."""
-    from runner import supervisor
+    from runner.supervisor import launch as supervisor
 
     if run_dir is not None and name is not None:
         raise _fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name}), not both", 2)
@@ -176,19 +176,21 @@ def status(
     from rich.live import Live
     from rich.text import Text
 
+    from runner.protocol import ACTIVE_PHASES
+
     try:
         if as_json:  # one JSON object per refresh, for scripts
             while True:
                 text, phase = render()
                 typer.echo(text)
-                if phase not in runstate.ACTIVE_PHASES:
+                if phase not in ACTIVE_PHASES:
                     return
                 time.sleep(interval)
         with Live(auto_refresh=False) as live:
             while True:
                 text, phase = render()
                 live.update(Text(text), refresh=True)
-                if phase not in runstate.ACTIVE_PHASES:
+                if phase not in ACTIVE_PHASES:
                     return
                 time.sleep(interval)
     except KeyboardInterrupt:
@@ -259,7 +261,9 @@ def logs(
             f"{run_dir}`)"
         )
     if path.is_file():
-        sys.stdout.write(runstate.tail_text(path, lines))
+        from runner.procs import tail_text
+
+        sys.stdout.write(tail_text(path, lines))
         sys.stdout.flush()
     if follow:
         offset = path.stat().st_size if path.is_file() else 0
@@ -310,7 +314,7 @@ def health(
         else:
             typer.echo(f"{'alive' if ok else 'NOT ALIVE'}: {why}")
         raise typer.Exit(0 if ok else 1)
-    from runner.health import check_gpu_health
+    from runner.health.checks import check_gpu_health
 
     report = check_gpu_health(timeout, allow_foreign_processes=allow_processes)
     typer.echo(json.dumps(report.to_dict(), sort_keys=True) if as_json else report.summary())

@@ -226,17 +226,17 @@ class WorkerExit:
     """worker_exit.local<r>.json: one torchrun rank's protocol exit code."""
 
     code: int
-    pid: int
     time: float
+    pid: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict | None) -> WorkerExit | None:
         if not data:
             return None
-        code, pid, when = _int(data.get("code")), _int(data.get("pid")), _number(data.get("time"))
-        if code is None or pid is None or when is None:
+        code, when = _int(data.get("code")), _number(data.get("time"))
+        if code is None or when is None:
             return None
-        return cls(code=code, pid=pid, time=float(when))
+        return cls(code=code, time=float(when), pid=_int(data.get("pid")))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -222,7 +222,7 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
         "started_at": state.get("started_at"),
         "updated_at": state.get("updated_at"),
     }
-    from runner.mirror import read_lag
+    from runner.supervisor.mirror import read_lag
 
     status["mirror"] = read_lag(run_dir)  # None without a checkpoint mirror
     if gpu:
@@ -332,7 +332,7 @@ def format_status(st: dict) -> str:
         f"{'' if st['worker_alive'] else ' (not running)'}",
     ]
     if st.get("mirror"):
-        from runner.mirror import format_lag
+        from runner.supervisor.mirror import format_lag
 
         lines.append(f"mirror     {format_lag(st['mirror'])}")
     gpu = st.get("gpu")

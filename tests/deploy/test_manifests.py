@@ -314,7 +314,7 @@ def test_every_command_the_manifests_run_exists(command):
     if command == "prepare-data" and "prepare-data" not in listed:
         pytest.xfail(
             "`m3run prepare-data` is not in runner/cli.py yet (compose's prepare "
-            "service and runner/data.py's messages call it)"
+            "service and runner/data/'s messages call it)"
         )
     r = CliRunner().invoke(app, [command, "--help"])
     assert r.exit_code == 0, r.output

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_supervisor import FAST, STANDIN, _spawn_driver, make_run, wait_for
+from helpers.supervision import FAST, make_run, spawn_driver, wait_for
 from typer.testing import CliRunner
 
 from runner import runstate
@@ -27,8 +27,9 @@ from runner.protocol import (
     STATE_FILE,
     SUPERVISOR_LOG,
     WORKER_LOG,
+    SupervisorPhase,
 )
-from runner.supervisor import RunLock
+from runner.supervisor.launch import RunLock
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo_cpu.yaml"
@@ -161,7 +162,7 @@ def test_status_text_shows_progress_and_restarts(tmp_path):
 def test_status_reports_a_dead_supervisor(tmp_path):
     run_dir = write_run(tmp_path / "r", alive=False)
     st = json.loads(invoke("status", run_dir, "--json", "--no-gpu").output)
-    assert st["phase"] == runstate.DEAD and st["recorded_phase"] == "running"
+    assert st["phase"] == SupervisorPhase.DEAD and st["recorded_phase"] == "running"
     assert "(not running)" in invoke("status", run_dir, "--no-gpu").output
 
 
@@ -251,10 +252,8 @@ def test_stop_on_a_run_that_is_not_running(tmp_path):
 
 
 def test_stop_a_live_run(tmp_path):
-    standin = tmp_path / "standin.py"
-    standin.write_text(STANDIN)
     run_dir = make_run(tmp_path, [{"steps": 10**6}])
-    proc = _spawn_driver(tmp_path, run_dir, standin)
+    proc = spawn_driver(run_dir)
     try:
         wait_for(
             lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 2,
@@ -264,7 +263,7 @@ def test_stop_a_live_run(tmp_path):
         assert result.exit_code == 0, result.output
         assert "stopped (" in result.output
         assert proc.wait(timeout=10) == 0
-        assert read_json(run_dir / STATE_FILE)["phase"] == runstate.STOPPED
+        assert read_json(run_dir / STATE_FILE)["phase"] == SupervisorPhase.STOPPED
         # Stopping again: not running.
         assert invoke("stop", run_dir).exit_code == 1
     finally:
@@ -272,10 +271,8 @@ def test_stop_a_live_run(tmp_path):
 
 
 def test_stop_grace_caps_the_workers_save_time(tmp_path):
-    standin = tmp_path / "standin.py"
-    standin.write_text(STANDIN)
     run_dir = make_run(tmp_path, [{"steps": 10**6, "ignore_term": True}])
-    proc = _spawn_driver(tmp_path, run_dir, standin, stop_grace_s=60.0)
+    proc = spawn_driver(run_dir, stop_grace_s=60.0)
     try:
         wait_for(
             lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 1,
@@ -316,7 +313,7 @@ def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
         assert sup.wait(timeout=5) == -signal.SIGKILL
         assert worker.wait(timeout=5) == -signal.SIGKILL
         state = read_json(run_dir / STATE_FILE)
-        assert state["phase"] == runstate.STOPPED and "--force" in state["reason"]
+        assert state["phase"] == SupervisorPhase.STOPPED and "--force" in state["reason"]
         assert read_jsonl(run_dir / EVENTS_FILE)[-1]["forced"] is True
     finally:
         sup.kill()

@@ -27,8 +27,8 @@ from runner.checkpoint.layout import (
 )
 from runner.config import ConfigError, load_config
 from runner.files import read_json, read_jsonl
-from runner.mirror import MIRROR_FILE, Mirror, MirrorError, MirrorUploader, read_lag
 from runner.protocol import EXIT_STOPPED
+from runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, MirrorUploader, read_lag
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")

@@ -1,4 +1,4 @@
-"""Preemption watchers against real HTTP metadata fakes on 127.0.0.1 (tests/helpers/metadata_server.py).
+"""Preemption watchers against real HTTP metadata fakes on 127.0.0.1 (helpers/metadata_server.py).
 
 No request in this file leaves the loopback interface: every watcher and every detection call
 is given a 127.0.0.1 base URL (or the "none" provider, which sends nothing).
@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from helpers.metadata_server import FakeMetadataServer
 
-from runner.preemption import (
+from runner.supervisor.preemption import (
     PROVIDERS,
     Notice,
     PreemptionWatcher,
@@ -194,7 +194,7 @@ def test_detect_provider_rejects_unknown_providers_and_bare_strings() -> None:
 
 def test_unreachable_endpoint_never_raises_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     rec = Recorder()
-    caplog.set_level(logging.WARNING, logger="runner.preemption")
+    caplog.set_level(logging.WARNING, logger="runner.supervisor.preemption")
     watcher = PreemptionWatcher("aws", closed_port_url(), poll_s=0.02, on_notice=rec)
     with watcher:
         time.sleep(0.4)
@@ -211,7 +211,7 @@ def test_a_failing_endpoint_recovers_and_the_notice_still_arrives(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rec = Recorder()
-    caplog.set_level(logging.WARNING, logger="runner.preemption")
+    caplog.set_level(logging.WARNING, logger="runner.supervisor.preemption")
     with FakeMetadataServer("gcp") as srv:
         srv.fail(503)
         with PreemptionWatcher("gcp", srv.base_url, poll_s=0.02, on_notice=rec):

@@ -4,18 +4,29 @@ supervisor is what is under test; the real worker is exercised by tests/chaos/."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers.supervision import (
+    STANDIN,
+    argv_for,
+    attempts,
+    events_named,
+    make_run,
+    settings,
+    spawn_driver,
+    supervise,
+    wait_for,
+)
 
 from runner import runstate
 from runner.checkpoint.layout import list_checkpoints
@@ -24,6 +35,7 @@ from runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
     EXIT_OK,
+    EXIT_REFUSED,
     EXIT_SOFTWARE,
     EXIT_STOPPED,
     EXIT_UNAVAILABLE,
@@ -31,186 +43,21 @@ from runner.protocol import (
     FAULT_SCOPE_ENV,
     STATE_FILE,
     WORKER_LOG,
+    Heartbeat,
+    SupervisorPhase,
 )
-from runner.supervisor import (
-    EXIT_REFUSED,
-    LaunchError,
-    LaunchOptions,
-    RunLock,
-    Supervisor,
-    SupervisorSettings,
-    freeze_config,
-)
+from runner.supervisor.hang import HangDetector
+from runner.supervisor.launch import LaunchError, LaunchOptions, RunLock, freeze_config
+from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.supervisor import Supervisor
+from runner.supervisor.worker import ranks_exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A stand-in worker. argv: RUN_DIR RESUME LR_SCALE. Attempt n follows plan.json[n] (the last
-# entry repeats). Plan keys: steps, step_time, ckpt_every, exit, hang_at (stop heartbeating at
-# that step), ignore_term, no_heartbeat, vram, torn_at (write a checkpoint with a bad hash),
-# hang_on_exit (report phase "finished", then never exit).
-STANDIN = textwrap.dedent("""
-    import hashlib, json, os, signal, sys, time
-    from pathlib import Path
-
-    run_dir, resume, lr_scale = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-    plan = json.loads((run_dir / "plan.json").read_text())
-    log = run_dir / "attempts.jsonl"
-    n = len(log.read_text().splitlines()) if log.exists() else 0
-    with open(log, "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "resume": resume, "lr_scale": lr_scale,
-                            "fault": os.environ.get("M3RUN_FAULT")}) + "\\n")
-    spec = plan[min(n, len(plan) - 1)]
-    stop = []
-    if spec.get("ignore_term"):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
-
-    def heartbeat(phase, step, **kw):
-        hb = {"pid": os.getpid(), "phase": phase, "step": step, "total_steps": 1000,
-              "loss": 5.0 - step / 100, "lr": 1e-3 * lr_scale, "ts": time.time(), **kw}
-        tmp = run_dir / f".hb.{os.getpid()}"
-        tmp.write_text(json.dumps(hb))
-        os.replace(tmp, run_dir / "heartbeat.json")
-
-    def save(step, torn=False):
-        root = run_dir / "checkpoints"
-        root.mkdir(exist_ok=True)
-        tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-        tmp.mkdir()
-        files = {}
-        for name in ("model.safetensors", "optim.pt"):
-            data = os.urandom(256)
-            (tmp / name).write_bytes(data)
-            digest = hashlib.sha256(data).hexdigest()
-            files[name] = {"sha256": "0" * 64 if torn else digest, "bytes": len(data)}
-        (tmp / "meta.json").write_text(json.dumps(
-            {"format_version": 1, "step": step, "files": files, "saved_at": time.time(),
-             "lr_scale": scale}))
-        final = root / f"step_{step:08d}"
-        if final.exists():
-            os.rename(final, root / f".del-{final.name}-{os.getpid()}")
-        os.rename(tmp, final)
-
-    if resume.isdigit():
-        step = int(resume)
-    elif resume == "latest" and (run_dir / "checkpoints").is_dir():
-        steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")]
-        step = max(steps, default=0)
-    else:
-        step = 0
-    # Like the real worker: the scale it trains at is its checkpoint's times --lr-scale.
-    meta = run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json"
-    stored = json.loads(meta.read_text()).get("lr_scale", 1.0) if meta.exists() else 1.0
-    scale = lr_scale * stored
-    if spec.get("no_heartbeat"):
-        time.sleep(1e9)
-    heartbeat("startup", step)
-    print(f"stand-in worker attempt {n} resume={resume} lr_scale={lr_scale}", flush=True)
-    step_time = spec.get("step_time", 0.02)
-    for _ in range(spec.get("steps", 5)):
-        if spec.get("hang_at") == step:
-            print(f"hanging at step {step}", flush=True)
-            time.sleep(1e9)
-        time.sleep(step_time)
-        step += 1
-        heartbeat("training", step, step_time_s=step_time, vram_bytes=spec.get("vram"))
-        print(f"step {step}", flush=True)
-        if spec.get("torn_at") == step:
-            save(step, torn=True)
-        elif spec.get("ckpt_every") and step % spec["ckpt_every"] == 0:
-            heartbeat("checkpointing", step, step_time_s=step_time)
-            save(step)
-        if stop:
-            heartbeat("stopping", step)
-            save(step)
-            print(f"saved step {step} on SIGTERM", flush=True)
-            sys.exit(75)
-    if spec.get("hang_on_exit"):
-        heartbeat("finished", step)
-        time.sleep(1e9)
-    sys.exit(spec.get("exit", 0))
-""")
-
-# Runs a Supervisor over the stand-in in its own process (real signal handling).
-DRIVER = textwrap.dedent("""
-    import json, sys
-    from pathlib import Path
-    from runner.supervisor import Supervisor, SupervisorSettings
-
-    run_dir, settings, standin = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
-    argv = lambda resume, lr: [sys.executable, standin, str(run_dir), resume, repr(lr)]
-    code = Supervisor(run_dir, SupervisorSettings(**settings), argv, console=True).run()
-    assert "torch" not in sys.modules, "the supervisor imported torch"
-    sys.exit(code)
-""")
-
-FAST = dict(
-    backoff_initial_s=0.05,
-    backoff_max_s=0.4,
-    startup_timeout_s=5.0,
-    stop_grace_s=2.0,
-    preemption_provider="none",
-    smoke=False,
-    min_heartbeat_timeout_s=0.5,
-    poll_s=0.05,
-    heartbeat_interval_s=0.05,
-)
-
-
-def settings(**over) -> SupervisorSettings:
-    return SupervisorSettings(**{**FAST, **over})
-
 
 @pytest.fixture
-def standin(tmp_path) -> Path:
-    path = tmp_path / "standin_worker.py"
-    path.write_text(STANDIN)
-    return path
-
-
-def make_run(tmp_path: Path, plan: list[dict]) -> Path:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps(plan))
-    return run_dir
-
-
-def argv_for(standin: Path, run_dir: Path):
-    return lambda resume, lr: [sys.executable, str(standin), str(run_dir), resume, repr(lr)]
-
-
-def supervise(
-    run_dir: Path,
-    standin: Path,
-    plan: list[dict] | None = None,
-    *,
-    resume: str = "latest",
-    env: dict | None = None,
-    gpu=None,
-    **over,
-) -> tuple[int, dict, list[dict]]:
-    if plan is not None:
-        (run_dir / "plan.json").write_text(json.dumps(plan))
-    sup = Supervisor(
-        run_dir,
-        settings(**over),
-        argv_for(standin, run_dir),
-        resume=resume,
-        env=env,
-        gpu=gpu,
-        handle_signals=False,
-    )
-    code = sup.run()
-    return code, read_json(run_dir / STATE_FILE), read_jsonl(run_dir / EVENTS_FILE)
-
-
-def attempts(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "attempts.jsonl")
-
-
-def events_named(events: list[dict], name: str) -> list[dict]:
-    return [e for e in events if e["event"] == name]
+def standin() -> Path:
+    return STANDIN
 
 
 # --------------------------------------------------------------------------- outcomes
@@ -220,7 +67,7 @@ def test_finished_run_exits_0_and_records_state(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 4, "ckpt_every": 2}])
     code, state, events = supervise(run_dir, standin)
     assert code == EXIT_OK
-    assert state["phase"] == runstate.FINISHED
+    assert state["phase"] == SupervisorPhase.FINISHED
     assert state["supervisor_pid"] == os.getpid()
     assert state["worker_pid"] is None and state["restarts"] == []
     assert state["last_checkpoint_step"] == 4
@@ -248,7 +95,7 @@ def test_crash_is_restarted_from_latest_checkpoint(tmp_path, standin):
         tmp_path, [{"steps": 3, "ckpt_every": 2, "exit": 1}, {"steps": 2, "exit": 0}]
     )
     code, state, events = supervise(run_dir, standin)
-    assert code == EXIT_OK and state["phase"] == runstate.FINISHED
+    assert code == EXIT_OK and state["phase"] == SupervisorPhase.FINISHED
     assert [a["resume"] for a in attempts(run_dir)] == ["latest", "latest"]
     (restart,) = state["restarts"]
     assert restart["exit_code"] == 1 and "crashed (exit 1)" in restart["reason"]
@@ -261,7 +108,7 @@ def test_always_crashing_worker_backs_off_then_exits_70(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 1, "exit": 3}])
     code, state, events = supervise(run_dir, standin, no_progress_restarts=3)
     assert code == EXIT_SOFTWARE
-    assert state["phase"] == runstate.FAILED
+    assert state["phase"] == SupervisorPhase.FAILED
     assert "no progress: 3 restarts in a row without a new complete checkpoint" in state["reason"]
     assert "supervisor.no_progress_restarts=3" in state["reason"]
     assert len(attempts(run_dir)) == 4
@@ -286,7 +133,7 @@ def test_bad_config_exit_78_is_never_restarted(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 0, "exit": EXIT_CONFIG}])
     code, state, _ = supervise(run_dir, standin)
     assert code == EXIT_CONFIG
-    assert state["phase"] == runstate.FAILED and "bad config or data" in state["reason"]
+    assert state["phase"] == SupervisorPhase.FAILED and "bad config or data" in state["reason"]
     assert len(attempts(run_dir)) == 1 and state["restarts"] == []
 
 
@@ -393,7 +240,7 @@ def test_worker_hanging_after_it_finished_counts_as_finished(tmp_path, standin):
         tmp_path, [{"steps": 2, "ckpt_every": 2, "hang_on_exit": True, "ignore_term": True}]
     )
     code, state, events = supervise(run_dir, standin, stop_grace_s=0.5)
-    assert code == EXIT_OK and state["phase"] == runstate.FINISHED
+    assert code == EXIT_OK and state["phase"] == SupervisorPhase.FINISHED
     assert state["restarts"] == [] and len(attempts(run_dir)) == 1
     assert "had reached phase 'finished'" in events_named(events, "hang_on_exit")[0]["reason"]
 
@@ -406,42 +253,40 @@ def test_worker_without_heartbeat_hits_the_startup_timeout(tmp_path, standin):
     assert "no heartbeat yet" in restart["reason"] and "allowance 1s" in restart["reason"]
 
 
+def _hb(ts: float = 0.0, **fields) -> Heartbeat:
+    return Heartbeat.from_dict({"ts": ts, **fields})
+
+
 def test_calibrated_allowance_follows_observed_times(tmp_path):
-    sup = Supervisor(
-        tmp_path,
-        settings(
-            startup_timeout_s=600.0,
-            heartbeat_safety_factor=4.0,
-            min_heartbeat_timeout_s=1.0,
-            heartbeat_interval_s=0.5,
-        ),
-        lambda r, lr: ["true"],
-        handle_signals=False,
+    calibrated = settings(
+        startup_timeout_s=600.0,
+        heartbeat_safety_factor=4.0,
+        min_heartbeat_timeout_s=1.0,
+        heartbeat_interval_s=0.5,
     )
-    assert sup._allowance(None) == 600.0
-    assert sup._allowance({"phase": "compiling"}) == 600.0
+    hang = HangDetector(tmp_path, calibrated)
+    assert hang.allowance(None) == 600.0
+    assert hang.allowance(_hb(phase="compiling")) == 600.0
     # Finished, stopped or failed: it only has to exit (stop_grace_s, floored).
-    assert sup._allowance({"phase": "finished"}) == max(sup.s.stop_grace_s, 1.0)
+    assert hang.allowance(_hb(phase="finished")) == max(calibrated.stop_grace_s, 1.0)
     # First training heartbeat, no step time yet: still the startup allowance (compilation).
-    assert sup._allowance({"phase": "training"}) == 600.0
-    assert sup._allowance({"phase": "training", "step_time_s": 2.0}) == 8.0
+    assert hang.allowance(_hb(phase="training")) == 600.0
+    assert hang.allowance(_hb(phase="training", step_time_s=2.0)) == 8.0
     # Fast steps: the heartbeat interval bounds the gap, then the floor.
-    assert sup._allowance({"phase": "training", "step_time_s": 0.01}) == 2.0
+    assert hang.allowance(_hb(phase="training", step_time_s=0.01)) == 2.0
     # A save never observed: startup allowance; with a recorded save time: calibrated.
-    assert sup._allowance({"phase": "checkpointing", "step_time_s": 1.0}) == 600.0
+    assert hang.allowance(_hb(phase="checkpointing", step_time_s=1.0)) == 600.0
     assert (
-        sup._allowance({"phase": "checkpointing", "step_time_s": 1.0, "checkpoint_time_s": 9.0})
-        == 40.0
+        hang.allowance(_hb(phase="checkpointing", step_time_s=1.0, checkpoint_time_s=9.0)) == 40.0
     )
     # Observed gaps raise the allowance for their phase (eval seen to take 30 s).
-    sup._observe({"phase": "eval", "ts": 100.0})
-    sup._observe({"phase": "training", "ts": 130.0, "step_time_s": 1.0})
-    assert sup._allowance({"phase": "eval"}) == 120.0
+    hang.observe(_hb(100.0, phase="eval"))
+    hang.observe(_hb(130.0, phase="training", step_time_s=1.0))
+    assert hang.allowance(_hb(phase="eval")) == 120.0
     # A fixed heartbeat_timeout_s replaces calibration after startup.
-    sup.s.heartbeat_timeout_s = 50.0
-    assert sup._allowance({"phase": "training", "step_time_s": 2.0}) == 50.0
-    assert sup._allowance({"phase": "startup"}) == 600.0
-    sup.log.close()
+    fixed = HangDetector(tmp_path, dataclasses.replace(calibrated, heartbeat_timeout_s=50.0))
+    assert fixed.allowance(_hb(phase="training", step_time_s=2.0)) == 50.0
+    assert fixed.allowance(_hb(phase="startup")) == 600.0
 
 
 # --------------------------------------------------------------------------- stop & preemption
@@ -457,7 +302,7 @@ def test_user_stop_saves_and_exits_0(tmp_path, standin):
     _request_later(sup, 1.0, "user", "test stop")
     code = sup.run()
     state = read_json(run_dir / STATE_FILE)
-    assert code == EXIT_OK and state["phase"] == runstate.STOPPED
+    assert code == EXIT_OK and state["phase"] == SupervisorPhase.STOPPED
     assert "worker saved and exited 75" in state["reason"]
     saved = [c.step for c in list_checkpoints(run_dir) if c.complete]
     assert saved and state["last_checkpoint_step"] == saved[-1]
@@ -474,7 +319,7 @@ def test_stop_kills_a_worker_that_does_not_save_within_the_grace(tmp_path, stand
     assert sup.run() == EXIT_OK
     assert time.monotonic() - t0 < 5
     state = read_json(run_dir / STATE_FILE)
-    assert state["phase"] == runstate.STOPPED
+    assert state["phase"] == SupervisorPhase.STOPPED
     assert "did not exit 75 within the 0.5s stop grace (killed by SIGKILL)" in state["reason"]
 
 
@@ -484,7 +329,7 @@ def test_preemption_request_saves_and_exits_75(tmp_path, standin):
     _request_later(sup, 0.8, "preempted", "aws preemption notice (terminate, 120s left)")
     assert sup.run() == EXIT_STOPPED
     state = read_json(run_dir / STATE_FILE)
-    assert state["phase"] == runstate.PREEMPTED
+    assert state["phase"] == SupervisorPhase.PREEMPTED
     assert state["reason"].startswith("aws preemption notice")
 
 
@@ -504,7 +349,7 @@ def test_metadata_preemption_notice_stops_the_run(tmp_path, standin, provider):
         code = sup.run()
     assert code == EXIT_STOPPED
     state = read_json(run_dir / STATE_FILE)
-    assert state["phase"] == runstate.PREEMPTED
+    assert state["phase"] == SupervisorPhase.PREEMPTED
     assert state["reason"].startswith(f"{provider} preemption notice")
     assert "worker saved and exited 75" in state["reason"]
     watch = events_named(read_jsonl(run_dir / EVENTS_FILE), "preemption_watch")[0]
@@ -523,35 +368,12 @@ def test_stop_during_backoff_needs_no_worker(tmp_path, standin):
     t0 = time.monotonic()
     assert sup.run() == EXIT_OK
     assert time.monotonic() - t0 < 10
-    assert read_json(run_dir / STATE_FILE)["phase"] == runstate.STOPPED
-
-
-def _spawn_driver(tmp_path: Path, run_dir: Path, standin: Path, **over) -> subprocess.Popen:
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, str(driver), str(run_dir), json.dumps({**FAST, **over}), str(standin)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    assert read_json(run_dir / STATE_FILE)["phase"] == SupervisorPhase.STOPPED
 
 
 def test_sigterm_to_supervisor_is_forwarded_and_worker_saves(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 10**6}])
-    proc = _spawn_driver(tmp_path, run_dir, standin)
+    proc = spawn_driver(run_dir)
     wait_for(
         lambda: (read_json(run_dir / "heartbeat.json") or {}).get("step", 0) >= 3,
         what="the worker to train",
@@ -560,7 +382,7 @@ def test_sigterm_to_supervisor_is_forwarded_and_worker_saves(tmp_path, standin):
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == EXIT_OK, out
     state = read_json(run_dir / STATE_FILE)
-    assert state["phase"] == runstate.STOPPED and "received SIGTERM" in state["reason"]
+    assert state["phase"] == SupervisorPhase.STOPPED and "received SIGTERM" in state["reason"]
     assert "saved step" in out  # the worker's output was echoed in the foreground
     hb_step = read_json(run_dir / "heartbeat.json")["step"]
     assert state["last_checkpoint_step"] == hb_step
@@ -568,7 +390,7 @@ def test_sigterm_to_supervisor_is_forwarded_and_worker_saves(tmp_path, standin):
 
 def test_second_sigint_kills_the_worker_at_once(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 10**6, "ignore_term": True}])
-    proc = _spawn_driver(tmp_path, run_dir, standin, stop_grace_s=60.0)
+    proc = spawn_driver(run_dir, stop_grace_s=60.0)
     wait_for(
         lambda: (read_json(run_dir / STATE_FILE) or {}).get("worker_pid"),
         what="the worker to start",
@@ -579,7 +401,7 @@ def test_second_sigint_kills_the_worker_at_once(tmp_path, standin):
     )
     proc.send_signal(signal.SIGINT)
     wait_for(
-        lambda: (read_json(run_dir / STATE_FILE) or {}).get("phase") == runstate.STOPPING,
+        lambda: (read_json(run_dir / STATE_FILE) or {}).get("phase") == SupervisorPhase.STOPPING,
         what="phase stopping",
     )
     t0 = time.monotonic()
@@ -628,7 +450,9 @@ def test_unhealthy_gpu_at_launch_exits_69_without_a_worker(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 1}])
     code, state, _ = supervise(run_dir, standin, gpu=FakeGpu(["unhealthy"]))
     assert code == EXIT_UNAVAILABLE
-    assert state["phase"] == runstate.FAILED and "GPU unhealthy (preflight)" in state["reason"]
+    assert (
+        state["phase"] == SupervisorPhase.FAILED and "GPU unhealthy (preflight)" in state["reason"]
+    )
     assert not (run_dir / "attempts.jsonl").exists()
 
 
@@ -643,13 +467,13 @@ def test_gpu_gate_before_restart_waits_for_memory_release(tmp_path, standin):
 
 
 def test_real_health_probe_with_fake_nvml_unhealthy(tmp_path, standin, monkeypatch):
-    from runner.supervisor import GpuProbe
+    from runner.supervisor.preflight import NvmlProbe
 
     fake = tmp_path / "nvml.json"
     fake.write_text(json.dumps({"devices": [{"ecc_uncorrected": 4}]}))
     monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
     run_dir = make_run(tmp_path, [{"steps": 1}])
-    code, state, _ = supervise(run_dir, standin, gpu=GpuProbe(20.0))
+    code, state, _ = supervise(run_dir, standin, gpu=NvmlProbe(20.0))
     assert code == EXIT_UNAVAILABLE
     assert "ECC" in state["reason"] or "ecc" in state["reason"]
 
@@ -804,7 +628,7 @@ def test_a_stale_local_rank_heartbeat_is_a_hang(tmp_path, standin):
 
 def test_worker_command_line_single_process_and_torchrun(tmp_path):
     from runner.config import DistributedConfig
-    from runner.supervisor import worker_argv
+    from runner.supervisor.worker import worker_argv
 
     single = worker_argv(tmp_path)("latest", 1.0)
     assert single == [
@@ -822,10 +646,9 @@ def test_worker_command_line_single_process_and_torchrun(tmp_path):
     assert two[:2] == [sys.executable, "-m"] and "torch.distributed.run" in two
     assert two[two.index("--nproc-per-node") + 1] == "2" and "--standalone" in two
     assert two[two.index("--max-restarts") + 1] == "0"
-    assert two[-8:] == [
+    assert two[-7:] == [
         "-m",
-        "runner.supervisor",
-        "rank",
+        "runner.worker.rank",
         str(tmp_path / "config.yaml"),
         "--run-dir",
         str(tmp_path),
@@ -843,19 +666,21 @@ def test_worker_command_line_single_process_and_torchrun(tmp_path):
 
 
 def test_torchrun_exit_1_is_mapped_to_the_ranks_protocol_code(tmp_path):
-    sup = Supervisor(tmp_path, settings(), lambda r, lr: ["true"], handle_signals=False)
-    sup._torchrun, sup._local_ranks, sup._spawn_wall = True, 2, time.time()
+    started = time.time()
+
+    def protocol_code(code: int) -> int:
+        return ranks_exit_code(tmp_path, code, spawn_wall=started, local_ranks=2)
+
     for rank, code in ((0, 75), (1, 75)):
         (tmp_path / f"worker_exit.local{rank}.json").write_text(
             json.dumps({"code": code, "time": time.time()})
         )
-    assert sup._exit_code(1) == EXIT_STOPPED
+    assert protocol_code(1) == EXIT_STOPPED
     (tmp_path / "worker_exit.local1.json").write_text(json.dumps({"code": 78, "time": time.time()}))
-    assert sup._exit_code(1) == EXIT_CONFIG
+    assert protocol_code(1) == EXIT_CONFIG
     # A rank that died without a record (or records from an older attempt): a crash.
     (tmp_path / "worker_exit.local1.json").write_text(json.dumps({"code": 75, "time": 0}))
-    assert sup._exit_code(1) == 1
-    sup.log.close()
+    assert protocol_code(1) == 1
 
 
 def test_checkpoints_are_mirrored_and_restored_onto_a_new_disk(tmp_path, standin):

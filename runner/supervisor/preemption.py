@@ -483,3 +483,43 @@ class PreemptionWatcher:
         )
         self._last_error_log = now
         self._suppressed = 0
+
+
+def start_watcher(
+    provider: str | None,
+    base_url: str | None,
+    poll_s: float,
+    on_stop: Callable[[str], None],
+    emit: Callable[..., None],
+) -> PreemptionWatcher | None:
+    """The supervisor's watcher: detect the provider when asked for "auto", start polling it,
+    and call ``on_stop(detail)`` on a notice. ``emit(event, **fields)`` records what it does.
+    None when watching is off or no metadata service answered."""
+    if provider in (None, "none"):
+        return None
+    if provider == "auto":
+        urls = {p: base_url for p in PROVIDERS} if base_url else None
+        found = detect_provider(base_urls=urls, timeout_s=0.5)
+        if found is None:
+            emit(
+                "preemption_watch",
+                provider=None,
+                reason="no cloud metadata service answered; preemption notices "
+                "are not watched (set supervisor.preemption_provider to force one)",
+            )
+            return None
+        provider = found
+
+    def on_notice(notice: Notice) -> None:
+        left = notice.seconds_left()
+        when = "deadline unknown" if left is None else f"{left:.0f}s left"
+        on_stop(f"{provider} preemption notice ({notice.action}, {when})")
+
+    watcher = PreemptionWatcher(provider, base_url, poll_s, on_notice).start()
+    emit(
+        "preemption_watch",
+        provider=provider,
+        base_url=watcher.base_url,
+        reason=f"polling {provider} every {poll_s:g}s",
+    )
+    return watcher

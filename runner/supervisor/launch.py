@@ -1,0 +1,250 @@
+"""Taking a run dir and starting its supervisor: the lock (one supervisor per run dir), the
+frozen config (config.yaml: the only copy; a changed config needs --force), a launch in this
+process or detached in the background."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runner.config import ConfigError, config_hash, load_config
+from runner.files import append_jsonl, atomic_write_text, read_json
+from runner.procs import spawn_logged
+from runner.protocol import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_REFUSED,
+    LOCK_FILE,
+    STATE_FILE,
+    SUPERVISOR_LOG,
+)
+from runner.supervisor.preflight import NvmlProbe, SmokeTest
+from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.supervisor import Supervisor
+from runner.supervisor.worker import worker_argv
+
+
+class LaunchError(Exception):
+    """A launch the supervisor refuses. ``exit_code`` is the supervisor's exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RunLock:
+    """`supervisor.lock`: an exclusive flock held for the supervisor's lifetime. The file holds
+    the holder's pid so a refused launch can name it. The kernel drops the lock when the holder
+    dies, however it dies."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            run_dir = self.path.parent
+            raise LaunchError(
+                f"run dir {run_dir} is busy: supervisor pid {holder} holds {self.path}. "
+                f"Watch it with `m3run status {run_dir}`, stop it with `m3run stop {run_dir}`, "
+                "or launch into another --run-dir",
+                EXIT_REFUSED,
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+@dataclass
+class LaunchOptions:
+    """`m3run launch` arguments."""
+
+    config: Path
+    run_dir: Path
+    overrides: list[str] = field(default_factory=list)
+    resume: str = "latest"
+    force: bool = False
+    console: bool = True
+
+
+def check_resume(value: str) -> str:
+    """--resume: latest, none or a step number."""
+    value = str(value).strip()
+    if value in ("latest", "none") or (value.isdigit()):
+        return value
+    raise LaunchError(
+        f"--resume must be latest, none or a step number, got {value!r} (fix: "
+        "e.g. --resume latest, or --resume 4000 for checkpoints/step_00004000)",
+        EXIT_CONFIG,
+    )
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
+    """Load CONFIG with --set overrides and freeze it as RUN_DIR/config.yaml. A relaunch with a
+    different resolved config is refused unless --force. Returns (config, hash)."""
+    try:
+        cfg = load_config(opts.config, opts.overrides)
+    except ConfigError as e:
+        raise LaunchError(str(e), EXIT_CONFIG) from None
+    new_hash = config_hash(cfg)
+    frozen = opts.run_dir / CONFIG_FILE
+    if frozen.exists():
+        try:
+            old = load_config(frozen)
+        except ConfigError as e:
+            if not opts.force:
+                raise LaunchError(
+                    f"the frozen config {frozen} no longer loads ({e}); pass --force to replace "
+                    f"it with {opts.config}, or launch into another --run-dir",
+                    EXIT_CONFIG,
+                ) from None
+            old = None
+        old_hash = config_hash(old) if old is not None else None
+        if old is not None and old_hash != new_hash:
+            a, b = _flatten(yaml.safe_load(old.to_yaml())), _flatten(yaml.safe_load(cfg.to_yaml()))
+            diff = [
+                f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
+            shown = "; ".join(diff[:8]) + (f"; … {len(diff) - 8} more" if len(diff) > 8 else "")
+            if not opts.force:
+                raise LaunchError(
+                    f"config changed for {opts.run_dir}: {opts.config} with the given --set "
+                    f"resolves to a config different from the frozen {frozen} ({shown}). "
+                    f"Relaunch with the frozen config (`m3run launch {frozen} --run-dir "
+                    f"{opts.run_dir}`), launch into another --run-dir, or pass --force to "
+                    "replace the frozen config",
+                    EXIT_CONFIG,
+                )
+            append_jsonl(
+                opts.run_dir / EVENTS_FILE,
+                {
+                    "time": time.time(),
+                    "event": "config_replaced",
+                    "old_hash": old_hash,
+                    "new_hash": new_hash,
+                    "reason": f"--force: {shown}",
+                },
+            )
+    atomic_write_text(frozen, cfg.to_yaml())
+    return cfg, new_hash
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Take the run dir's lock, freeze the config and supervise the run in this process.
+    Returns the supervisor's exit code; refusals print their reason to stderr."""
+    try:
+        resume = check_resume(opts.resume)
+        opts.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(opts.run_dir)
+        lock.acquire()
+    except LaunchError as e:
+        print(f"m3run launch: {e}", file=sys.stderr)
+        return e.exit_code
+    try:
+        try:
+            cfg, chash = freeze_config(opts)
+        except LaunchError as e:
+            print(f"m3run launch: {e}", file=sys.stderr)
+            return e.exit_code
+        for warning in cfg.warnings():
+            print(f"m3run launch: warning: {warning}", file=sys.stderr)
+        settings = SupervisorSettings.from_config(cfg)
+        # No --lr-scale on a relaunch: a NaN rollback's LR cut lives in the checkpoints the
+        # worker wrote after it.
+        sup = Supervisor(
+            opts.run_dir,
+            settings,
+            worker_argv(opts.run_dir, cfg.distributed),
+            resume=resume,
+            console=opts.console,
+            config_hash=chash,
+            gpu=NvmlProbe(settings.health_timeout_s),
+            smoke=SmokeTest(opts.run_dir / CONFIG_FILE) if settings.smoke else None,
+        )
+        return sup.run()
+    finally:
+        lock.release()
+
+
+def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
+    """Start the supervisor as a daemon (its own session, output to supervisor.log) and return
+    once it has written state.json with its pid. Returns 0, or the daemon's exit code if it
+    refused to start."""
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "runner.supervisor",
+        "run",
+        str(Path(opts.config).absolute()),
+        "--run-dir",
+        str(opts.run_dir.absolute()),
+        "--resume",
+        opts.resume,
+    ]
+    for kv in opts.overrides:
+        argv += ["--set", kv]
+    if opts.force:
+        argv.append("--force")
+    log_path = opts.run_dir / SUPERVISOR_LOG
+    proc, offset = spawn_logged(argv, log_path)
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = read_json(opts.run_dir / STATE_FILE)
+        if state and state.get("supervisor_pid") == proc.pid:
+            print(
+                f"m3run launch: supervisor pid {proc.pid} is running {opts.run_dir} in the "
+                f"background; follow it with `m3run status {opts.run_dir} --watch` or "
+                f"`m3run logs {opts.run_dir} -f`, stop it with `m3run stop {opts.run_dir}`"
+            )
+            return EXIT_OK
+        code = proc.poll()
+        if code is not None:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                tail = f.read().decode(errors="replace").strip()
+            print(
+                tail
+                or f"m3run launch: the supervisor exited {code} before starting; see {log_path}",
+                file=sys.stderr,
+            )
+            return code if code != EXIT_OK else EXIT_REFUSED
+        if time.monotonic() > deadline:
+            print(
+                f"m3run launch: supervisor pid {proc.pid} did not write {STATE_FILE} within "
+                f"{wait_s:g}s; it may still be starting: check `m3run logs {opts.run_dir} "
+                "--supervisor`",
+                file=sys.stderr,
+            )
+            return EXIT_REFUSED
+        time.sleep(0.05)

@@ -1,0 +1,239 @@
+"""Before a worker runs: the GPU health gate (NVML through runner.health, no torch, no CUDA
+context) and the preflight smoke test, which imports torch and so runs as a child process
+(`python -m runner.worker.smoke`) whose verdict comes back in smoke.json."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from runner.files import read_json
+from runner.health.checks import Verdict
+from runner.procs import LogTail, signal_group, spawn_logged
+from runner.protocol import SMOKE_FILE, WORKER_LOG, SmokeVerdict
+from runner.supervisor.events import EventLog
+from runner.supervisor.hang import VramWatch
+from runner.supervisor.settings import SupervisorSettings
+
+_VRAM_POLL_S = 5.0
+
+
+class HealthReport(Protocol):
+    """What the gate reads of runner.health's HealthReport."""
+
+    verdict: str
+
+    def summary(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class GpuProbe(Protocol):
+    """The supervisor's view of the GPUs."""
+
+    def check(self, allowed_pids: list[int]) -> HealthReport: ...
+
+    def process_memory(self, pid: int) -> int | None: ...
+
+    def wait_released(self, pids: list[int], timeout_s: float) -> bool | None: ...
+
+
+class NvmlProbe:
+    """The real GpuProbe: runner.health's NVML probe child."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def check(self, allowed_pids: list[int]) -> HealthReport:
+        from runner.health.checks import check_gpu_health
+
+        return check_gpu_health(self.timeout_s, allowed_pids=allowed_pids)
+
+    def process_memory(self, pid: int) -> int | None:
+        from runner.health.checks import process_gpu_memory
+
+        return process_gpu_memory(pid)
+
+    def wait_released(self, pids: list[int], timeout_s: float) -> bool | None:
+        from runner.health.checks import wait_gpu_memory_released
+
+        return wait_gpu_memory_released(pids, timeout_s)
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The gate's reading: `failure` (the reason, exit 69) or a verdict to log."""
+
+    failure: str | None
+    verdict: Verdict | None = None
+    summary: str = ""
+    details: dict[str, Any] | None = None
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.verdict not in (None, Verdict.NO_GPU)
+
+    def capacity_bytes(self) -> int | None:
+        """Memory of the smallest GPU the report lists, if it lists one."""
+        devices = (self.details or {}).get("devices") or []
+        totals = [d.get("mem_total_mib") for d in devices if isinstance(d, dict)]
+        totals = [t for t in totals if isinstance(t, (int, float)) and t > 0]
+        return int(min(totals) * 2**20) if totals else None
+
+
+def health_gate(gpu: GpuProbe, allowed_pids: list[int], when: str) -> GateResult:
+    """Ask the probe; a report that is missing a field or names an unknown verdict fails the
+    gate like a sick GPU would (it must never pass as healthy)."""
+    try:
+        report = gpu.check(allowed_pids)
+        verdict = Verdict(report.verdict)
+        summary, details = report.summary(), report.to_dict()
+    except Exception as e:  # the gate itself failing must not hide a broken GPU
+        return GateResult(
+            failure=f"GPU health check ({when}) raised {type(e).__name__}: {e}; "
+            "check the driver with nvidia-smi, or replace the node"
+        )
+    if verdict == Verdict.UNHEALTHY:
+        return GateResult(
+            failure=f"GPU unhealthy ({when}): {summary}; replace the node or fix the "
+            "GPU, then relaunch",
+            verdict=verdict,
+            summary=summary,
+            details=details,
+        )
+    return GateResult(failure=None, verdict=verdict, summary=summary, details=details)
+
+
+class GpuWatch:
+    """The GPU side of supervision: the health gate before every launch, per-process VRAM
+    polling while a worker runs (on a GPU host only), and the wait for a dead worker's memory
+    to be released before the next one starts."""
+
+    def __init__(
+        self, probe: GpuProbe, settings: SupervisorSettings, log: EventLog, vram: VramWatch
+    ):
+        self.probe = probe
+        self.s = settings
+        self.log = log
+        self.vram = vram
+        self.has_gpu = False
+        self._next_poll = 0.0
+
+    def gate(self, when: str) -> GateResult:
+        """Run the health gate; a passing verdict is logged and its GPU capacity noted."""
+        gate = health_gate(self.probe, [os.getpid()], when)
+        if gate.failure is not None:
+            return gate
+        self.has_gpu = gate.has_gpu
+        self.log.emit(
+            "health",
+            reason=gate.summary,
+            level="warning" if gate.verdict == Verdict.WARN else "info",
+            verdict=gate.verdict,
+            when=when,
+            health=gate.details,
+        )
+        if self.vram.capacity is None:
+            self.vram.capacity = gate.capacity_bytes()
+        return gate
+
+    def poll_vram(self, pid: int) -> None:
+        """Every few seconds: the memory NVML sees for `pid` and its descendants."""
+        now = time.monotonic()
+        if not self.has_gpu or now < self._next_poll:
+            return
+        self._next_poll = now + _VRAM_POLL_S
+        with contextlib.suppress(Exception):  # NVML hiccups are not worth a restart
+            used = self.probe.process_memory(pid)
+            if used:
+                self.vram.note(int(used), "nvml")
+
+    def wait_released(self, pid: int) -> None:
+        if not self.has_gpu:
+            return
+        t0 = time.monotonic()
+        released = self.probe.wait_released([pid], self.s.gpu_release_timeout_s)
+        waited = time.monotonic() - t0
+        if released is False:
+            self.log.emit(
+                "gpu_memory_wait",
+                level="warning",
+                pid=pid,
+                reason=f"GPU memory of dead worker pid {pid} not released after "
+                f"{waited:.0f}s; relaunching anyway (the health gate decides)",
+            )
+        elif waited > 1.0:
+            self.log.emit(
+                "gpu_memory_wait",
+                reason=f"waited {waited:.1f}s for pid {pid}'s GPU memory to be released",
+                pid=pid,
+            )
+
+
+class SmokeTest:
+    """The preflight smoke test in a child process. Its output goes to worker.log (echoed in
+    the foreground through `echo`), its verdict to smoke.json."""
+
+    def __init__(self, config_path: Path):
+        self.config_path = config_path
+
+    def run(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        timeout_s: float,
+        poll_s: float,
+        echo: Callable[[str], None],
+        tick: Callable[[], None],
+        stop_requested: Callable[[], bool],
+    ) -> tuple[bool, str]:
+        """(passed, message). `tick` runs every poll (state.json stays fresh for the liveness
+        check); a stop request or the timeout kills the child."""
+        (run_dir / SMOKE_FILE).unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "runner.worker.smoke",
+            str(self.config_path),
+            "--run-dir",
+            str(run_dir),
+        ]
+        log_path = run_dir / WORKER_LOG
+        proc, offset = spawn_logged(
+            argv,
+            log_path,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            header="m3run supervisor: preflight smoke test",
+        )
+        tail = LogTail(log_path, offset)
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None:
+            for line in tail.lines():
+                echo(line)
+            tick()
+            if stop_requested() or time.monotonic() > deadline:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                if stop_requested():
+                    return False, "stopped"
+                return False, (
+                    f"did not finish within supervisor.startup_timeout_s={timeout_s:g}s; "
+                    "raise it or set supervisor.smoke=false"
+                )
+            time.sleep(poll_s)
+        for line in tail.lines(final=True):
+            echo(line)
+        result = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE))
+        if result is None:
+            return False, (
+                f"the smoke process exited {proc.returncode} without a verdict; see "
+                f"the end of {log_path}"
+            )
+        return result.ok, result.message

@@ -1,0 +1,56 @@
+"""When to restart a dead worker and when to give up: a budget of restarts per sliding window,
+a limit on restarts in a row without a new complete checkpoint, and exponential backoff."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.supervisor.settings import SupervisorSettings
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One granted restart."""
+
+    time: float
+    backoff_s: float
+    in_window: int  # restarts within restart_window_s, this one included
+
+
+class RestartPolicy:
+    """Restart accounting for one supervisor's lifetime."""
+
+    def __init__(self, settings: SupervisorSettings):
+        self.s = settings
+        self._times: list[float] = []
+        self.since_progress = 0
+
+    def progress(self) -> None:
+        """A new checkpoint was verified complete."""
+        self.since_progress = 0
+
+    def grant(self, failure: str, worker_log: Path) -> Restart | str:
+        """A Restart, or the reason to give up (exit 70) naming `failure` and the fix."""
+        s = self.s
+        now = time.time()
+        recent = [t for t in self._times if t > now - s.restart_window_s]
+        if len(recent) >= s.max_restarts:
+            return (
+                f"restart budget spent: {len(recent)} restarts in the last "
+                f"{s.restart_window_s:g}s (supervisor.max_restarts={s.max_restarts}); last "
+                f"failure: {failure}. Read {worker_log}, fix the cause and "
+                "relaunch, or raise supervisor.max_restarts"
+            )
+        if self.since_progress >= s.no_progress_restarts:
+            return (
+                f"no progress: {self.since_progress} restarts in a row without a new "
+                f"complete checkpoint (supervisor.no_progress_restarts="
+                f"{s.no_progress_restarts}); last failure: {failure}. Read "
+                f"{worker_log}, fix the cause and relaunch"
+            )
+        delay = min(s.backoff_max_s, s.backoff_initial_s * 2**self.since_progress)
+        self._times.append(now)
+        self.since_progress += 1
+        return Restart(time=now, backoff_s=delay, in_window=len(recent) + 1)

@@ -1,0 +1,69 @@
+"""state.json as the supervisor keeps it: its pid and create time, the phase, the worker's pid,
+restarts across relaunches, the last exit and the numbers `m3run status` shows. Replaced
+atomically on every change and refreshed every few seconds (`updated_at`) so that a liveness
+check can tell a stuck supervisor from a quiet one."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from runner.files import atomic_write_json
+from runner.procs import create_time
+from runner.protocol import STATE_FILE, SupervisorPhase
+from runner.supervisor.settings import SupervisorSettings
+
+_REFRESH_S = 2.0  # updated_at is refreshed at least this often while the supervisor watches
+
+
+class StateFile:
+    """The dict behind state.json (`data`) and its writes."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        prev: dict,
+        settings: SupervisorSettings,
+        *,
+        config_hash: str | None,
+        lr_scale: float,
+        resume: str,
+    ):
+        self.path = run_dir / STATE_FILE
+        now = time.time()
+        self.data: dict[str, Any] = {
+            "supervisor_pid": os.getpid(),
+            "supervisor_create_time": create_time(os.getpid()),
+            "worker_pid": None,
+            "worker_create_time": None,
+            "worker_started_at": None,
+            "phase": SupervisorPhase.PREFLIGHT,
+            "restarts": list(prev.get("restarts", [])),  # history across relaunches
+            "last_exit": None,
+            "reason": None,
+            "config_hash": config_hash,
+            "started_at": now,
+            "updated_at": now,
+            "last_checkpoint_step": None,
+            "peak_vram_bytes": prev.get("peak_vram_bytes"),
+            "heartbeat_timeout_s": settings.startup_timeout_s,
+            "stop_grace_s": settings.stop_grace_s,
+            "mirror_flush_s": settings.mirror_flush_s if settings.mirror_url else 0.0,
+            "lr_scale": lr_scale,
+            "resume": resume,
+            "run_dir": str(run_dir),
+        }
+        self._last_write = 0.0
+
+    def write(self, force: bool = False, **changes: Any) -> None:
+        """Apply `changes` and write; without changes or `force`, only when the last write is
+        older than the refresh period."""
+        self.data.update(changes)
+        now = time.time()
+        if not force and not changes and now - self._last_write < _REFRESH_S:
+            return
+        self.data["updated_at"] = now
+        atomic_write_json(self.path, self.data)
+        self._last_write = now

@@ -1,0 +1,93 @@
+"""Stop requests: a user's SIGTERM/SIGINT/SIGHUP or `m3run stop`, and cloud preemption notices.
+The first request has the worker save and exit 75 within the stop grace; a second user request
+kills it at once; a preemption notice upgrades a user stop (the node is going away)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from runner.files import read_json
+from runner.procs import describe_exit
+from runner.protocol import (
+    EXIT_OK,
+    EXIT_STOPPED,
+    STOP_REQUEST_FILE,
+    StopRequest,
+    SupervisorPhase,
+)
+
+USER = "user"
+PREEMPTED = "preempted"
+# `m3run stop --grace S` written longer ago than this is not this stop's.
+_REQUEST_FRESH_S = 60.0
+
+
+class StopControl:
+    """What has been asked of the run. `request` is safe from signal handlers and threads."""
+
+    def __init__(self, run_dir: Path, stop_grace_s: float):
+        self.run_dir = run_dir
+        self.stop_grace_s = stop_grace_s
+        # Re-entrant: request runs in signal handlers, and a second signal may arrive while
+        # the first handler holds it.
+        self._lock = threading.RLock()
+        self.kind: str | None = None  # USER | PREEMPTED
+        self.detail = ""
+        self.force = False
+        self.grace_used = stop_grace_s
+
+    @property
+    def requested(self) -> bool:
+        return self.kind is not None
+
+    def request(self, kind: str, detail: str) -> None:
+        with self._lock:
+            if self.kind is None:
+                self.kind, self.detail = kind, detail
+            elif kind == USER:
+                self.force = True
+            if kind == PREEMPTED:
+                self.kind, self.detail = kind, detail
+
+    def grace(self) -> float:
+        """stop_grace_s, shortened by a recent `m3run stop --grace S` request."""
+        grace = self.stop_grace_s
+        req = StopRequest.from_dict(read_json(self.run_dir / STOP_REQUEST_FILE))
+        if self.kind == USER and req is not None and time.time() - req.time < _REQUEST_FRESH_S:
+            grace = min(grace, max(0.0, req.grace_s))
+        self.grace_used = grace
+        return grace
+
+    def _ending(self, reason: str) -> tuple[SupervisorPhase, int, str]:
+        if self.kind == PREEMPTED:
+            return SupervisorPhase.PREEMPTED, EXIT_STOPPED, reason
+        return SupervisorPhase.STOPPED, EXIT_OK, reason
+
+    def without_worker(self) -> tuple[SupervisorPhase, int, str]:
+        """(phase, exit code, reason) of a stop that came while no worker ran."""
+        return self._ending(f"{self.detail}; no worker was running")
+
+    def after_worker(
+        self, exit_code: int, killed_after_grace: bool, finished: bool, ckpt: int | None
+    ) -> tuple[SupervisorPhase, int, str]:
+        """(phase, exit code, reason) once the stopped worker has exited."""
+        if (exit_code == EXIT_OK and not killed_after_grace) or (
+            finished and ckpt is not None and exit_code != EXIT_STOPPED
+        ):
+            # It trained to the end before the stop reached it (a SIGTERM during its exit
+            # can still kill it: the run is finished all the same).
+            return (
+                SupervisorPhase.FINISHED,
+                EXIT_OK,
+                f"worker finished the run (exit 0) while stopping ({self.detail})",
+            )
+        if exit_code == EXIT_STOPPED:
+            how = f"worker saved and exited 75; last complete checkpoint step {ckpt}"
+        else:
+            how = (
+                f"worker did not exit 75 within the {self.grace_used:g}s stop grace "
+                f"({describe_exit(exit_code)}); last complete checkpoint step {ckpt}"
+            )
+        return self._ending(f"{self.detail}; {how}")

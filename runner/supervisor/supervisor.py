@@ -1,0 +1,582 @@
+"""The supervision loop: keeps one training worker alive until the run finishes, stops or is
+preempted.
+
+One supervisor owns a run directory (the lock and the frozen config are runner.supervisor.launch's).
+It gates on GPU health and a preflight smoke test (preflight), then starts the worker as a child
+in its own process group (worker) and watches it:
+
+* exit code (runner.protocol): 0 finished · 75 stopped after a save · 76 NaN not healed ·
+  78 bad config/data · anything else a crash;
+* heartbeat age against an allowance calibrated from what the run has shown (hang); a stale
+  worker is SIGTERMed, SIGKILLed after ``stop_grace_s`` and restarted;
+* VRAM (heartbeat ``vram_bytes`` and NVML per process): the peak is recorded, a warning logged
+  near capacity (hang.VramWatch);
+* every new checkpoint is verified complete (sha256) in a background thread (checkpoints).
+
+Restart policy (restarts): exponential backoff (``backoff_initial_s`` doubling up to
+``backoff_max_s``); at most ``max_restarts`` restarts per ``restart_window_s``;
+``no_progress_restarts`` restarts in a row without a new complete checkpoint end the run (exit
+70). Exit 76 restarts from the checkpoint before the latest one with the learning rate scaled
+by ``nan_lr_factor`` (squared, cubed, … for consecutive exits 76); exit 78 is never restarted.
+Before a relaunch the dead worker's GPU memory must be released and the GPU healthy.
+
+SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
+as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
+SIGKILLed. A second signal kills it at once.
+
+Stop timeouts. ``stop_grace_s`` (default 120 s: a 435M checkpoint with optimizer state is ~5 GB)
+must fit inside the container runtime's own stop timeout, or the runtime SIGKILLs everything
+mid-save. Docker waits 10 s by default and Kubernetes 30 s: configure them above the grace plus
+a few seconds for the supervisor, e.g. ``docker run --stop-timeout 150`` / compose
+``stop_grace_period: 150s`` / ``terminationGracePeriodSeconds: 150``. A spot notice gives less
+time than that (GCP about 30 s, Azure at least 30 s, AWS 2 min); the save has to fit in it
+whatever the grace is, so keep checkpoints frequent on spot capacity.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.files import read_json
+from runner.procs import describe_exit, process_matches, terminate_then_kill
+from runner.protocol import (
+    EXIT_CONFIG,
+    EXIT_NAN,
+    EXIT_OK,
+    EXIT_SOFTWARE,
+    EXIT_STOPPED,
+    EXIT_UNAVAILABLE,
+    FAULT_ENV,
+    FAULT_SCOPE_ENV,
+    FINAL_WORKER_PHASES,
+    STATE_FILE,
+    WORKER_LOG,
+    SupervisorPhase,
+    WorkerPhase,
+)
+from runner.supervisor.checkpoints import CheckpointTracker, LrCut
+from runner.supervisor.events import EventLog
+from runner.supervisor.hang import HangDetector, VramWatch
+from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
+from runner.supervisor.restarts import RestartPolicy
+from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.state import StateFile
+from runner.supervisor.stops import StopControl
+from runner.supervisor.worker import WorkerArgv, WorkerProcess
+
+_CHECKPOINT_SCAN_S = 1.0
+
+
+@dataclass
+class Outcome:
+    """How one worker ended."""
+
+    exit_code: int
+    hang: str | None = None  # the reason when the supervisor killed it as hung
+    killed_after_grace: bool = False
+
+
+class Supervisor:
+    """Supervise one run directory. `run()` returns the supervisor's exit code.
+
+    `worker_argv(resume, lr_scale)` builds the worker command line; `gpu` (a GpuProbe) gates
+    on GPU health before the first launch and every restart and reads per-process VRAM (None:
+    no GPU checks); `smoke` is the preflight smoke test (None skips it)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        settings: SupervisorSettings,
+        worker_argv: WorkerArgv,
+        *,
+        resume: str = "latest",
+        lr_scale: float = 1.0,
+        console: bool = False,
+        config_hash: str | None = None,
+        gpu: GpuProbe | None = None,
+        smoke: SmokeTest | None = None,
+        env: dict[str, str] | None = None,
+        handle_signals: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.s = settings
+        self.worker_argv = worker_argv
+        self.resume = resume
+        self.lr_scale = lr_scale
+        self.config_hash = config_hash
+        self.smoke = smoke
+        self.env = dict(os.environ if env is None else env)
+        self.handle_signals = handle_signals
+        self.log = EventLog(self.run_dir, console)
+
+        self.stops = StopControl(self.run_dir, settings.stop_grace_s)
+        self.worker: WorkerProcess | None = None
+        self._attempt = 0
+
+        prev = read_json(self.run_dir / STATE_FILE) or {}
+        self._prev_state = prev
+        self.hang = HangDetector(self.run_dir, settings)
+        self.vram = VramWatch(settings, self.log, prev.get("peak_vram_bytes"))
+        self.gpu = GpuWatch(gpu, settings, self.log, self.vram) if gpu is not None else None
+        self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
+        self.lr_cut = LrCut(self.checkpoints, settings.nan_lr_factor)
+        self.restarts = RestartPolicy(settings)
+        self._watcher: Any = None  # runner.supervisor.preemption.PreemptionWatcher
+        self._mirror: Any = None  # runner.supervisor.mirror_sync.MirrorSync
+        self.state_file = StateFile(
+            self.run_dir, prev, settings, config_hash=config_hash, lr_scale=lr_scale, resume=resume
+        )
+        self.state = self.state_file.data
+
+    # ----------------------------------------------------------------- public
+
+    def request_stop(self, kind: str, detail: str) -> None:
+        """Stop the run (kind "user") or save-and-exit for preemption ("preempted"). Safe to
+        call from a signal handler or another thread. A second request kills the worker now."""
+        self.stops.request(kind, detail)
+
+    def run(self) -> int:
+        """Preflight, then supervise until the run ends. Returns the supervisor's exit code."""
+        old_handlers = self._install_signal_handlers() if self.handle_signals else {}
+        try:
+            self._write_state(force=True)
+            self._reap_stale_worker()
+            self.log.emit(
+                "launch",
+                reason=f"supervisor pid {os.getpid()} owns {self.run_dir}",
+                resume=self.resume,
+                lr_scale=self.lr_scale,
+                config_hash=self.config_hash,
+            )
+            code = self._start_mirror()
+            if code is not None:
+                return code
+            self.checkpoints.start(self.resume)
+            self.state["last_checkpoint_step"] = self.checkpoints.last_step
+            self._start_preemption_watcher()
+            code = self._preflight()
+            if code is None:
+                code = self._supervise()
+            return code
+        except Exception as e:
+            # A supervisor bug must not leave an unsupervised worker behind.
+            if self.worker is not None and self.worker.alive():
+                self.worker.kill()
+            return self._end(
+                SupervisorPhase.FAILED,
+                EXIT_SOFTWARE,
+                f"supervisor error {type(e).__name__}: {e}; the worker was killed. "
+                "This is a bug in m3run: report it with supervisor.log",
+                level="error",
+            )
+        finally:
+            if self._watcher is not None:
+                with contextlib.suppress(Exception):
+                    self._watcher.stop()
+            if self._mirror is not None:
+                self._mirror.close()
+            self.checkpoints.close()
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            self.log.close()
+
+    # ----------------------------------------------------------------- signals & preemption
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, _frame: Any) -> None:
+            self.request_stop("user", f"received {signal.Signals(signum).name}")
+
+        return {
+            s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        }
+
+    def _start_preemption_watcher(self) -> None:
+        from runner.supervisor.preemption import start_watcher
+
+        def on_stop(detail: str) -> None:
+            self.request_stop("preempted", detail)
+
+        s = self.s
+        self._watcher = start_watcher(
+            s.preemption_provider, s.metadata_url, s.preemption_poll_s, on_stop, self.log.emit
+        )
+
+    def _start_mirror(self) -> int | None:
+        """A mirror that cannot be read ends the launch (exit 78) rather than silently
+        training from scratch."""
+        if not self.s.mirror_url:
+            return None
+        from runner.supervisor.mirror import MirrorError
+        from runner.supervisor.mirror_sync import MirrorSync
+
+        self._mirror = MirrorSync(self.s, self.run_dir, self.log)
+        try:
+            self._mirror.start(self.resume)
+        except MirrorError as e:
+            return self._end(
+                SupervisorPhase.FAILED, EXIT_CONFIG, f"checkpoint mirror: {e}", level="error"
+            )
+        return None
+
+    # ----------------------------------------------------------------- state
+
+    def _write_state(self, force: bool = False, **changes: Any) -> None:
+        self.state["peak_vram_bytes"] = self.vram.peak
+        self.state_file.write(force, **changes)
+
+    def _end(
+        self, phase: SupervisorPhase, code: int, reason: str, level: str = "info", **fields: Any
+    ) -> int:
+        if self._mirror is not None:
+            self._mirror.flush()  # before the final state: `m3run stop` waits for it
+        self._write_state(
+            force=True,
+            phase=phase,
+            reason=reason,
+            worker_pid=None,
+            worker_create_time=None,
+            exit_code=code,
+        )
+        self.log.emit(phase, reason=reason, level=level, exit_code=code, **fields)
+        return code
+
+    def _scanned(self, progressed: bool) -> None:
+        """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
+        the mirror), and state.json follows the newest usable step."""
+        if progressed:
+            self.restarts.progress()
+            if self._mirror is not None:
+                self._mirror.notify()
+        if self.checkpoints.last_step != self.state.get("last_checkpoint_step"):
+            self._write_state(last_checkpoint_step=self.checkpoints.last_step)
+
+    def _reap_stale_worker(self) -> None:
+        """A worker left by a supervisor that was SIGKILLed keeps training unsupervised; stop
+        it (save, then kill after the grace) before starting another on the same run dir."""
+        prev = self._prev_state
+        pid, born = prev.get("worker_pid"), prev.get("worker_create_time")
+        if not process_matches(pid, born):
+            return
+        self.log.emit(
+            "stale_worker",
+            level="warning",
+            reason=f"worker pid {pid} of a previous supervisor is still running; "
+            "stopping it before launching a new one",
+            pid=pid,
+        )
+        terminate_then_kill(pid, self.s.stop_grace_s, lambda: process_matches(pid, born))
+
+    # ----------------------------------------------------------------- preflight
+
+    def _preflight(self) -> int | None:
+        """GPU health gate, then the smoke test. An exit code ends the run; None goes on."""
+        if self.gpu is not None:
+            code = self._health_gate("preflight")
+            if code is not None:
+                return code
+        if self.stops.requested:
+            return self._stopped_without_worker()
+        if self.smoke is not None:
+            ok, message = self.smoke.run(
+                self.run_dir,
+                self.env,
+                timeout_s=self.s.startup_timeout_s,
+                poll_s=self.s.poll_s,
+                echo=self.log.echo,
+                tick=self._write_state,
+                stop_requested=lambda: self.stops.requested,
+            )
+            if self.stops.requested:
+                return self._stopped_without_worker()
+            if not ok:
+                return self._end(
+                    SupervisorPhase.FAILED,
+                    EXIT_CONFIG,
+                    f"preflight smoke test failed: {message}",
+                    level="error",
+                )
+            self.log.emit("smoke", reason=message)
+        return None
+
+    def _health_gate(self, when: str) -> int | None:
+        gate = self.gpu.gate(when)
+        if gate.failure is None:
+            return None
+        extra = {"health": gate.details} if gate.details is not None else {}
+        return self._end(
+            SupervisorPhase.FAILED, EXIT_UNAVAILABLE, gate.failure, level="error", **extra
+        )
+
+    def _stopped_without_worker(self) -> int:
+        return self._end(*self.stops.without_worker())
+
+    # ----------------------------------------------------------------- one worker
+
+    def _spawn(self, resume: str) -> WorkerProcess:
+        self._attempt += 1
+        self.lr_cut.launched(resume, self.lr_scale)
+        argv = self.worker_argv(resume, self.lr_scale)
+        env = dict(self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self._attempt > 1 and env.get(FAULT_SCOPE_ENV) == "first":
+            env.pop(FAULT_ENV, None)
+        worker = self.worker = WorkerProcess(self.run_dir, argv, env, self._attempt)
+        self.hang.new_worker(worker.spawn_wall)
+        self._write_state(
+            force=True,
+            phase=SupervisorPhase.RUNNING,
+            worker_pid=worker.pid,
+            worker_create_time=worker.create_time,
+            worker_started_at=worker.spawn_wall,
+            resume=resume,
+            lr_scale=self.lr_scale,
+            reason=None,
+            heartbeat_timeout_s=self.s.startup_timeout_s,
+        )
+        self.log.emit(
+            "worker_start",
+            reason=f"attempt {self._attempt}",
+            pid=worker.pid,
+            resume=resume,
+            lr_scale=self.lr_scale,
+            argv=argv,
+        )
+        return worker
+
+    def _echo(self, worker: WorkerProcess, final: bool = False) -> None:
+        for line in worker.lines(final=final):
+            self.log.echo(line)
+
+    def _watch(self, worker: WorkerProcess) -> Outcome:
+        """Poll the worker until it exits; handles stop requests and hangs on the way."""
+        kill_at: float | None = None  # monotonic deadline for SIGKILL after a SIGTERM
+        hang: str | None = None
+        stop_sent = False
+        next_scan = 0.0
+        while True:
+            code = worker.wait(self.s.poll_s)
+            self._echo(worker)
+            if code is not None:
+                self._echo(worker, final=True)
+                worker.kill()  # leftovers of the group (ranks, loader workers) go with it
+                killed = kill_at is not None and time.monotonic() >= kill_at
+                return Outcome(worker.protocol_code(code), hang=hang, killed_after_grace=killed)
+            now = time.monotonic()
+
+            stops = self.stops
+            if stops.requested and not stop_sent:
+                stop_sent = True
+                grace = stops.grace()
+                self._write_state(force=True, phase=SupervisorPhase.STOPPING, reason=stops.detail)
+                self.log.emit("stop_requested", reason=stops.detail, kind=stops.kind, grace_s=grace)
+                worker.terminate()
+                kill_at = min(kill_at, now + grace) if kill_at is not None else now + grace
+            if stops.force and kill_at is not None and kill_at > now:
+                self.log.emit(
+                    "force_kill",
+                    reason="second stop request: killing the worker now",
+                    level="warning",
+                )
+                kill_at = now
+            if kill_at is not None and now >= kill_at:
+                worker.kill()
+
+            if now >= next_scan:
+                next_scan = now + _CHECKPOINT_SCAN_S
+                self._scanned(self.checkpoints.scan())
+            if self.gpu is not None:
+                self.gpu.poll_vram(worker.pid)
+
+            hb = self.hang.read()
+            if hb is not None and self.hang.observe(hb) and hb.vram_bytes is not None:
+                self.vram.note(hb.vram_bytes, "heartbeat")
+            allowance = self.hang.allowance(hb)
+            if allowance != self.state.get("heartbeat_timeout_s"):
+                self._write_state(heartbeat_timeout_s=allowance)
+            else:
+                self._write_state()  # refreshes updated_at every few seconds
+            if stop_sent or hang is not None:
+                continue
+            found = self.hang.check(hb, allowance)
+            if found is not None:
+                hang = found.reason
+                self.log.emit(
+                    "hang",
+                    reason=found.reason,
+                    level="warning",
+                    pid=worker.pid,
+                    heartbeat_age_s=round(found.age_s, 1),
+                    allowance_s=found.allowance_s,
+                    file=found.file,
+                )
+                self._write_state(force=True, phase=SupervisorPhase.RESTARTING, reason=hang)
+                worker.terminate()
+                kill_at = now + self.s.stop_grace_s
+
+    # ----------------------------------------------------------------- the loop
+
+    def _supervise(self) -> int:
+        resume = self.resume
+        while True:
+            if self.stops.requested:
+                return self._stopped_without_worker()
+            worker = self._spawn(resume)
+            out = self._watch(worker)
+            self._scanned(self.checkpoints.settle())
+            final = getattr(self.hang.read(), "phase", None)
+            if out.hang is not None and final in FINAL_WORKER_PHASES:
+                # It had finished, stopped or failed and then hung on its way out: its work is
+                # done, so take the code its last phase stands for.
+                self.log.emit(
+                    "hang_on_exit",
+                    level="warning",
+                    reason=f"{out.hang}; the worker "
+                    f"had reached phase {final.value!r}, so this counts as its exit",
+                )
+                out = Outcome(FINAL_WORKER_PHASES[final])
+            code = out.exit_code
+            self._write_state(
+                force=True,
+                last_exit={
+                    "code": code,
+                    "time": time.time(),
+                    "pid": worker.pid,
+                    "hang": out.hang,
+                    "description": describe_exit(code),
+                },
+            )
+            self.log.emit(
+                "worker_exit",
+                reason=out.hang or describe_exit(code),
+                exit_code=code,
+                pid=worker.pid,
+            )
+
+            if self.stops.requested:
+                return self._stop_outcome(out)
+            if code == EXIT_OK and out.hang is None:
+                return self._end(
+                    SupervisorPhase.FINISHED,
+                    EXIT_OK,
+                    "worker finished the run (exit 0)",
+                    last_checkpoint_step=self.state.get("last_checkpoint_step"),
+                )
+            if code == EXIT_CONFIG and out.hang is None:
+                return self._end(
+                    SupervisorPhase.FAILED,
+                    EXIT_CONFIG,
+                    "worker exit 78: bad config or data (never restarted); the "
+                    f"error is at the end of {self.run_dir / WORKER_LOG}; fix it "
+                    "and relaunch",
+                    level="error",
+                )
+            kind, reason, resume = self._diagnose(out)
+            self.lr_scale = self.lr_cut.lr_scale_for(resume)
+            code_or_none = self._restart_or_give_up(kind, reason, code, resume, worker.pid)
+            if code_or_none is not None:
+                return code_or_none
+
+    def _diagnose(self, out: Outcome) -> tuple[str, str, str]:
+        """(kind, reason, --resume) for a worker that must be restarted."""
+        if out.hang is not None:
+            return "hang", out.hang, self.checkpoints.resume_target()
+        if out.exit_code == EXIT_NAN:
+            self.lr_cut.nan_exit()
+            resume, how = self.checkpoints.rollback_target()
+            return (
+                "nan",
+                (
+                    f"worker exit 76: NaN excursion the in-process rollback could not "
+                    f"heal; {how}, learning rate cut to {self.lr_cut.cut:g}× the schedule"
+                ),
+                resume,
+            )
+        if out.exit_code == EXIT_STOPPED:
+            return (
+                "unrequested_stop",
+                (
+                    "worker exit 75 (saved and stopped) without a stop request from this "
+                    "supervisor; resuming"
+                ),
+                self.checkpoints.resume_target(),
+            )
+        reason = f"worker crashed ({describe_exit(out.exit_code)})"
+        return "crash", reason, self.checkpoints.resume_target()
+
+    def _restart_or_give_up(
+        self, kind: str, reason: str, exit_code: int, resume: str, dead_pid: int
+    ) -> int | None:
+        grant = self.restarts.grant(reason, self.run_dir / WORKER_LOG)
+        if isinstance(grant, str):
+            return self._end(SupervisorPhase.FAILED, EXIT_SOFTWARE, grant, level="error")
+        resume_step = (
+            int(resume)
+            if resume.isdigit()
+            else (self.state.get("last_checkpoint_step") if resume == "latest" else None)
+        )
+        self.state["restarts"].append(
+            {
+                "time": grant.time,
+                "reason": reason,
+                "kind": kind,
+                "exit_code": exit_code,
+                "resume": resume,
+                "resume_step": resume_step,
+                "lr_scale": self.lr_scale,
+                "backoff_s": grant.backoff_s,
+                "supervisor_pid": os.getpid(),
+            }
+        )
+        self._write_state(
+            force=True,
+            phase=SupervisorPhase.RESTARTING,
+            reason=reason,
+            worker_pid=None,
+            worker_create_time=None,
+            lr_scale=self.lr_scale,
+        )
+        self.log.emit(
+            "rollback" if kind == "nan" else "restart",
+            reason=reason,
+            kind=kind,
+            exit_code=exit_code,
+            resume=resume,
+            resume_step=resume_step,
+            backoff_s=grant.backoff_s,
+            restart=len(self.state["restarts"]),
+            restarts_in_window=grant.in_window,
+        )
+        deadline = time.monotonic() + grant.backoff_s
+        while time.monotonic() < deadline:
+            if self.stops.requested:
+                return self._stopped_without_worker()
+            self._write_state()  # keeps updated_at fresh for the liveness check
+            time.sleep(min(self.s.poll_s, max(0.0, deadline - time.monotonic())))
+        if self.gpu is not None:
+            self.gpu.wait_released(dead_pid)
+        if self.gpu is not None:
+            code = self._health_gate("before restart")
+            if code is not None:
+                return code
+        if self.stops.requested:
+            return self._stopped_without_worker()
+        self.resume = resume
+        return None
+
+    def _stop_outcome(self, out: Outcome) -> int:
+        ckpt = self.state.get("last_checkpoint_step")
+        finished = getattr(self.hang.read(), "phase", None) == WorkerPhase.FINISHED
+        ending = self.stops.after_worker(out.exit_code, out.killed_after_grace, finished, ckpt)
+        return self._end(*ending, last_checkpoint_step=ckpt)

@@ -1,0 +1,27 @@
+"""Runs a Supervisor over the stand-in worker in its own process (real signal handling).
+
+`python supervisor_driver.py RUN_DIR SETTINGS_JSON STANDIN_PATH`; exits with the supervisor's
+code, and fails if the supervisor imported torch.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.supervisor import Supervisor
+
+
+def main() -> None:
+    run_dir, settings, standin = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+
+    def argv(resume: str, lr: float) -> list[str]:
+        return [sys.executable, standin, str(run_dir), resume, repr(lr)]
+
+    code = Supervisor(run_dir, SupervisorSettings(**settings), argv, console=True).run()
+    assert "torch" not in sys.modules, "the supervisor imported torch"
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
