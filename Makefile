@@ -23,6 +23,7 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 lint: install
