@@ -34,11 +34,12 @@ def sample() -> None:
     from runner.checkpoint.layout import latest_complete
     from runner.config import load_config
     from runner.data.tokenizer import load_tokenizer
+    from runner.protocol import CONFIG_FILE
 
     info = latest_complete(RUN)
     if info is None:
         return
-    cfg = load_config(RUN / "config.yaml")
+    cfg = load_config(RUN / CONFIG_FILE)
     model = Mamba3LM(cfg.model)
     model.load_state_dict(load_checkpoint(info.path)[0])
     tok = load_tokenizer(DATA / "train")
