@@ -7,7 +7,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.procs import describe_exit
+from runner.protocol import EXIT_NAN, EXIT_STOPPED
+from runner.supervisor.checkpoints import CheckpointTracker, LrCut
 from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.worker import Outcome
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,31 @@ class RestartPolicy:
         self._times.append(now)
         self.since_progress += 1
         return Restart(time=now, backoff_s=delay, in_window=len(recent) + 1)
+
+
+def diagnose(out: Outcome, checkpoints: CheckpointTracker, lr_cut: LrCut) -> tuple[str, str, str]:
+    """(kind, reason, --resume) for a worker that must be restarted."""
+    if out.hang is not None:
+        return "hang", out.hang, checkpoints.resume_target()
+    if out.exit_code == EXIT_NAN:
+        lr_cut.nan_exit()
+        resume, how = checkpoints.rollback_target()
+        return (
+            "nan",
+            (
+                f"worker exit 76: NaN excursion the in-process rollback could not "
+                f"heal; {how}, learning rate cut to {lr_cut.cut:g}× the schedule"
+            ),
+            resume,
+        )
+    if out.exit_code == EXIT_STOPPED:
+        return (
+            "unrequested_stop",
+            (
+                "worker exit 75 (saved and stopped) without a stop request from this "
+                "supervisor; resuming"
+            ),
+            checkpoints.resume_target(),
+        )
+    reason = f"worker crashed ({describe_exit(out.exit_code)})"
+    return "crash", reason, checkpoints.resume_target()

@@ -42,18 +42,15 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runner.files import read_json
-from runner.procs import describe_exit, process_matches, terminate_then_kill
+from runner.procs import describe_exit
 from runner.protocol import (
     EXIT_CONFIG,
-    EXIT_NAN,
     EXIT_OK,
     EXIT_SOFTWARE,
-    EXIT_STOPPED,
     EXIT_UNAVAILABLE,
     FAULT_ENV,
     FAULT_SCOPE_ENV,
@@ -67,22 +64,13 @@ from runner.supervisor.checkpoints import CheckpointTracker, LrCut
 from runner.supervisor.events import EventLog
 from runner.supervisor.hang import HangDetector, VramWatch
 from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
-from runner.supervisor.restarts import RestartPolicy
+from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.state import StateFile
 from runner.supervisor.stops import StopControl
-from runner.supervisor.worker import WorkerArgv, WorkerProcess
+from runner.supervisor.worker import Outcome, WorkerArgv, WorkerProcess, reap_stale_worker
 
 _CHECKPOINT_SCAN_S = 1.0
-
-
-@dataclass
-class Outcome:
-    """How one worker ended."""
-
-    exit_code: int
-    hang: str | None = None  # the reason when the supervisor killed it as hung
-    killed_after_grace: bool = False
 
 
 class Supervisor:
@@ -149,7 +137,7 @@ class Supervisor:
         old_handlers = self._install_signal_handlers() if self.handle_signals else {}
         try:
             self._write_state(force=True)
-            self._reap_stale_worker()
+            reap_stale_worker(self._prev_state, self.s.stop_grace_s, self.log)
             self.log.emit(
                 "launch",
                 reason=f"supervisor pid {os.getpid()} owns {self.run_dir}",
@@ -261,22 +249,6 @@ class Supervisor:
                 self._mirror.notify()
         if self.checkpoints.last_step != self.state.get("last_checkpoint_step"):
             self._write_state(last_checkpoint_step=self.checkpoints.last_step)
-
-    def _reap_stale_worker(self) -> None:
-        """A worker left by a supervisor that was SIGKILLed keeps training unsupervised; stop
-        it (save, then kill after the grace) before starting another on the same run dir."""
-        prev = self._prev_state
-        pid, born = prev.get("worker_pid"), prev.get("worker_create_time")
-        if not process_matches(pid, born):
-            return
-        self.log.emit(
-            "stale_worker",
-            level="warning",
-            reason=f"worker pid {pid} of a previous supervisor is still running; "
-            "stopping it before launching a new one",
-            pid=pid,
-        )
-        terminate_then_kill(pid, self.s.stop_grace_s, lambda: process_matches(pid, born))
 
     # ----------------------------------------------------------------- preflight
 
@@ -482,38 +454,11 @@ class Supervisor:
                     "and relaunch",
                     level="error",
                 )
-            kind, reason, resume = self._diagnose(out)
+            kind, reason, resume = diagnose(out, self.checkpoints, self.lr_cut)
             self.lr_scale = self.lr_cut.lr_scale_for(resume)
             code_or_none = self._restart_or_give_up(kind, reason, code, resume, worker.pid)
             if code_or_none is not None:
                 return code_or_none
-
-    def _diagnose(self, out: Outcome) -> tuple[str, str, str]:
-        """(kind, reason, --resume) for a worker that must be restarted."""
-        if out.hang is not None:
-            return "hang", out.hang, self.checkpoints.resume_target()
-        if out.exit_code == EXIT_NAN:
-            self.lr_cut.nan_exit()
-            resume, how = self.checkpoints.rollback_target()
-            return (
-                "nan",
-                (
-                    f"worker exit 76: NaN excursion the in-process rollback could not "
-                    f"heal; {how}, learning rate cut to {self.lr_cut.cut:g}× the schedule"
-                ),
-                resume,
-            )
-        if out.exit_code == EXIT_STOPPED:
-            return (
-                "unrequested_stop",
-                (
-                    "worker exit 75 (saved and stopped) without a stop request from this "
-                    "supervisor; resuming"
-                ),
-                self.checkpoints.resume_target(),
-            )
-        reason = f"worker crashed ({describe_exit(out.exit_code)})"
-        return "crash", reason, self.checkpoints.resume_target()
 
     def _restart_or_give_up(
         self, kind: str, reason: str, exit_code: int, resume: str, dead_pid: int

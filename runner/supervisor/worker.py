@@ -10,13 +10,22 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from runner.files import read_json
-from runner.procs import LogTail, command_line, create_time, signal_group, spawn_logged
+from runner.procs import (
+    LogTail,
+    command_line,
+    create_time,
+    process_matches,
+    signal_group,
+    spawn_logged,
+    terminate_then_kill,
+)
 from runner.protocol import (
     CONFIG_FILE,
     EXIT_CONFIG,
@@ -27,6 +36,7 @@ from runner.protocol import (
     WORKER_LOG,
     WorkerExit,
 )
+from runner.supervisor.events import EventLog
 
 # (resume, lr_scale) -> argv
 WorkerArgv = Callable[[str, float], list[str]]
@@ -92,6 +102,31 @@ def _nproc(argv: Sequence[str]) -> int:
     if "--nproc-per-node" in argv:
         return int(argv[argv.index("--nproc-per-node") + 1])
     return 1
+
+
+@dataclass
+class Outcome:
+    """How one worker ended."""
+
+    exit_code: int
+    hang: str | None = None  # the reason when the supervisor killed it as hung
+    killed_after_grace: bool = False
+
+
+def reap_stale_worker(prev_state: dict, grace_s: float, log: EventLog) -> None:
+    """A worker left by a supervisor that was SIGKILLed keeps training unsupervised; stop it
+    (save, then kill after the grace) before starting another on the same run dir."""
+    pid, born = prev_state.get("worker_pid"), prev_state.get("worker_create_time")
+    if not process_matches(pid, born):
+        return
+    log.emit(
+        "stale_worker",
+        level="warning",
+        reason=f"worker pid {pid} of a previous supervisor is still running; "
+        "stopping it before launching a new one",
+        pid=pid,
+    )
+    terminate_then_kill(pid, grace_s, lambda: process_matches(pid, born))
 
 
 class WorkerProcess:
