@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.files import append_jsonl, atomic_write_json, read_json, read_jsonl
+from runner.files import append_jsonl, atomic_write_json, read_json
 from runner.procs import kill_group, process_matches
 from runner.protocol import (
     ACTIVE_PHASES,
@@ -114,14 +114,6 @@ def read_state(run_dir: Path) -> dict | None:
 
 def read_heartbeat(run_dir: Path) -> dict | None:
     return read_json(Path(run_dir) / HEARTBEAT_FILE)
-
-
-def read_events(run_dir: Path) -> list[dict]:
-    return read_jsonl(Path(run_dir) / EVENTS_FILE)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return read_jsonl(Path(run_dir) / METRICS_FILE)
 
 
 def heartbeat_age(heartbeat: dict | None, now: float | None = None) -> float | None:
