@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
-from test_train import train_losses, worker_cmd
+from helpers.training import train_losses, worker_cmd
 
 from runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
 from runner.checkpoint.layout import (

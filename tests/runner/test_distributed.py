@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
-from test_train import run_worker, train_losses
+from helpers.training import run_worker, train_losses
 
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.training import run_worker, train_losses, worker_cmd
 from safetensors.torch import load_file
 
 from runner.checkpoint.layout import latest_complete, list_checkpoints
@@ -22,33 +22,6 @@ from runner.files import read_jsonl
 from runner.train import lr_at
 
 pytestmark = pytest.mark.slow
-
-
-def worker_cmd(run_dir: Path, overrides: list[str], *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
-    for o in overrides:
-        cmd += ["--set", o]
-    return cmd + list(extra)
-
-
-def run_worker(run_dir, overrides, *extra, env=None, timeout=240):
-    return subprocess.run(
-        worker_cmd(run_dir, overrides, *extra),
-        env=env or worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    """step → loss, from metrics.jsonl (a replayed step must log the same loss)."""
-    out: dict[int, float] = {}
-    for rec in read_jsonl(run_dir / "metrics.jsonl"):
-        if rec.get("kind") == "train":
-            assert out.get(rec["step"], rec["loss"]) == rec["loss"], rec
-            out[rec["step"]] = rec["loss"]
-    return out
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

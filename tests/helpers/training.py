@@ -1,0 +1,41 @@
+"""The training worker as a subprocess: its command line, a blocking run, and the loss curve it
+logged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.runs import DEMO_CONFIG, worker_env
+from runner.files import read_jsonl
+from runner.protocol import METRICS_FILE
+
+
+def worker_cmd(run_dir: Path, overrides: list[str], *extra: str) -> list[str]:
+    """`python -m runner.train` on the demo recipe with `--set` overrides, then `extra`."""
+    cmd = [sys.executable, "-m", "runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd + list(extra)
+
+
+def run_worker(run_dir, overrides, *extra, env=None, timeout=240):
+    """Run the worker to its end; the CompletedProcess has text stdout and stderr."""
+    return subprocess.run(
+        worker_cmd(run_dir, overrides, *extra),
+        env=env or worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step → loss, from metrics.jsonl (a replayed step must log the same loss)."""
+    out: dict[int, float] = {}
+    for rec in read_jsonl(run_dir / METRICS_FILE):
+        if rec.get("kind") == "train":
+            assert out.get(rec["step"], rec["loss"]) == rec["loss"], rec
+            out[rec["step"]] = rec["loss"]
+    return out
