@@ -59,7 +59,7 @@ def categorise(name: str) -> str:
 def bench_one(micro: int, steps: int, warmup: int, compile_: bool, profile: bool,
               data_dir: Path, peak: float, backend: str) -> dict:  # fmt: skip
     from runner.config import load_config
-    from runner.train import Trainer
+    from runner.worker.trainer import Trainer
 
     overrides = [
         f"train.micro_batch_size={micro}",

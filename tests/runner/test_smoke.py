@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
 
 from runner.config import load_config
-from runner.smoke import CHECKS, run_smoke
+from runner.worker.smoke import CHECKS, run_smoke
 
 
 def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):

@@ -1,13 +1,18 @@
 """Preflight smoke test (`m3run smoke CONFIG`): numbered checks, each proving one layer.
 
-The supervisor runs it before the first worker starts; a failing check stops the launch with
-that check's message. On CPU the checks that need a GPU are reported as skipped, with why.
+The supervisor runs it before the first worker starts, as a child process:
+`python -m runner.worker.smoke CONFIG --run-dir RUN_DIR` runs the checks and writes the verdict
+to RUN_DIR/smoke.json; a failing check stops the launch with that check's message. On CPU the
+checks that need a GPU are reported as skipped, with why. Device, precision, model and optimizer
+are built as the trainer builds them (runner.worker.build).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,13 +23,15 @@ import torch
 
 from kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
 from model import Mamba3LM
-from model.lm import param_groups
 from runner.checkpoint import io as ckpt_io
 from runner.checkpoint import layout as ckpt
+from runner.config import ConfigError, RunConfig, load_config
+from runner.data.loader import BatchLoader, check_vocab
+from runner.data.manifest import DataError, load_manifest
+from runner.files import atomic_write_json
+from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
 
-from .config import ConfigError, RunConfig
-from .data.loader import BatchLoader, check_vocab
-from .data.manifest import DataError, load_manifest
+from .build import autocast, build_model, build_optimizer, precision_dtype, resolve_device
 
 
 class CheckFailed(Exception):
@@ -66,17 +73,14 @@ class SmokeResult:
 class _Smoke:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.device = torch.device(cfg.train.resolve_device(torch.cuda.is_available()))
-        precision = cfg.train.resolve_precision(self.device.type)
-        self.amp = torch.bfloat16 if precision == "bf16" else None
+        self.device = resolve_device(cfg)
+        self.amp = precision_dtype(cfg, self.device)
         self.model: Mamba3LM | None = None
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: str | None = None
 
     def autocast(self):
-        if self.amp is None:
-            return torch.autocast(self.device.type, enabled=False)
-        return torch.autocast(self.device.type, dtype=self.amp)
+        return autocast(self.device, self.amp)
 
     # 1
     def cuda_bf16(self) -> str:
@@ -115,8 +119,7 @@ class _Smoke:
     def forward_backward(self) -> str:
         if self.batch is None:
             raise CheckSkipped("no batch: the data check failed")
-        torch.manual_seed(self.cfg.train.seed)
-        self.model = Mamba3LM(self.cfg.model).to(self.device)
+        self.model = build_model(self.cfg, self.device)
         x, y = (t.to(self.device) for t in self.batch)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -212,13 +215,8 @@ class _Smoke:
         if self.model is None or self.batch is None:
             raise CheckSkipped("no model: the forward/backward check failed")
         model = copy.deepcopy(self.model)
-        t = self.cfg.train
-        opt = torch.optim.AdamW(
-            param_groups(model, t.weight_decay),
-            lr=1e-3,
-            betas=(t.beta1, t.beta2),
-            fused=self.device.type == "cuda",
-        )
+        # lr 1e-3 and torch's default eps whatever the recipe: one step must visibly lower the loss
+        opt = build_optimizer(model, self.device, self.cfg.train, lr=1e-3)
         x, y = (v.to(self.device) for v in self.batch)
         with self.autocast():
             before = model(x, y)
@@ -304,3 +302,29 @@ def run_smoke(cfg: RunConfig, run_dir: str | Path | None = None, echo=print) -> 
         if echo is not None:
             echo(f"  [{number}/{len(CHECKS)}] {name:<36} {status.upper():<7} {message}")
     return result
+
+
+def _verdict(result: SmokeResult) -> SmokeVerdict:
+    checks = [c.to_dict() for c in result.checks]
+    ran = sum(c["status"] == "ok" for c in checks)
+    skipped = sum(c["status"] == "skipped" for c in checks)
+    message = (
+        f"{ran} checks passed, {skipped} skipped" if result.ok else str(result.failed_check_message)
+    )
+    return SmokeVerdict(ok=result.ok, message=message, checks=checks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The supervisor's smoke child: run the checks, write smoke.json, exit 0 or 78."""
+    p = argparse.ArgumentParser(prog="python -m runner.worker.smoke", description=__doc__)
+    p.add_argument("config", type=Path)
+    p.add_argument("--run-dir", type=Path, required=True)
+    a = p.parse_args(argv)
+    verdict = _verdict(run_smoke(load_config(a.config), a.run_dir))
+    atomic_write_json(a.run_dir / SMOKE_FILE, verdict.to_dict())
+    print(f"smoke: {'ok' if verdict.ok else 'FAILED'}: {verdict.message}", flush=True)
+    return EXIT_OK if verdict.ok else EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

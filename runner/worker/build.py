@@ -1,0 +1,100 @@
+"""What a worker builds a run from, one copy for the trainer and the smoke test: the frozen
+config, the device, the precision, the scan backend, the model and the optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.mamba3 import BackendUnavailableError, resolve_backend
+from model import Mamba3LM
+from model.lm import param_groups
+from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_config
+from runner.protocol import CONFIG_FILE
+
+from .dist import Dist
+
+
+def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
+    """Write the resolved config to RUN_DIR/config.yaml at the first launch; later launches
+    must bring the same config (by hash) or --force, which replaces it."""
+    path = run_dir / CONFIG_FILE
+    if path.exists():
+        if config_hash(load_config(path)) == config_hash(cfg):
+            return
+        if not force:
+            raise ConfigError(
+                f"the config differs from the one frozen in {path} at the first launch. "
+                "Fix: relaunch with the same config, or pass --force to replace it."
+            )
+    # A plain write, not runner.files' temp file: the frozen config keeps the process umask.
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(cfg.to_yaml())
+    os.replace(tmp, path)
+
+
+def resolve_device(cfg: RunConfig, dist: Dist | None = None) -> torch.device:
+    """train.device made concrete; under torchrun each rank takes the GPU of its local rank."""
+    kind = cfg.train.resolve_device(torch.cuda.is_available())
+    if kind == "cuda" and dist is not None and dist.enabled:
+        torch.cuda.set_device(dist.local_rank)
+        return torch.device("cuda", dist.local_rank)
+    return torch.device(kind)
+
+
+def precision_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of train.precision on `device`: bf16, or None for plain fp32."""
+    precision = cfg.train.resolve_precision(device.type)
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def resolve_precision(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
+    """precision_dtype, refusing bf16 on CPU (what a training run must not do)."""
+    if cfg.train.resolve_precision(device.type) == "bf16" and device.type == "cpu":
+        raise ConfigError(
+            "train.precision=bf16 on CPU would be slow and inexact. "
+            "Fix: set train.precision=fp32 (or auto)."
+        )
+    return precision_dtype(cfg, device)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The autocast context for `dtype` on `device`; none at all for fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def resolve_scan_backend(cfg: RunConfig, device: torch.device) -> str:
+    """model.scan_backend made concrete; a backend that cannot run here is a ConfigError."""
+    try:
+        return resolve_backend(cfg.model.scan_backend, device)
+    except BackendUnavailableError as e:
+        raise ConfigError(
+            f"model.scan_backend={cfg.model.scan_backend}: {e}. "
+            "Fix: set model.scan_backend=auto or pytorch, or run on a CUDA machine with triton."
+        ) from e
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
+    """A freshly initialised model on `device`, seeded by train.seed."""
+    torch.manual_seed(cfg.train.seed)
+    return Mamba3LM(cfg.model).to(device)
+
+
+def build_optimizer(
+    model: Mamba3LM, device: torch.device, t: TrainConfig, lr: float, eps: float = 1e-8
+) -> torch.optim.AdamW:
+    """AdamW over model.lm.param_groups (weight decay on matrices only), fused on CUDA, with
+    train's betas and weight decay. The trainer passes train.lr and train.eps; the smoke test's
+    one step its own lr and torch's default eps."""
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay),
+        lr=lr,
+        betas=(t.beta1, t.beta2),
+        eps=eps,
+        fused=device.type == "cuda",
+    )

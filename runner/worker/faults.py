@@ -1,0 +1,74 @@
+"""Test-only fault injection: the M3RUN_FAULT hook (the faults are listed in runner.protocol).
+Empty, and inert, in production."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runner.protocol import FAULT_ENV
+
+
+@dataclass
+class Faults:
+    """Parsed from M3RUN_FAULT (see runner/protocol.py). Empty in production."""
+
+    spec: dict[str, str]
+    fired: list[str]
+    # Run before a crash fault exits: the trainer finishes a checkpoint write in flight, as any
+    # crash that unwinds Python does (Trainer.close); SIGKILL is what loses an in-flight write.
+    before_crash: Callable[[], object] | None = None
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        spec = {}
+        for part in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            key, _, value = part.partition("=")
+            spec[key.strip()] = value.strip()
+        return cls(spec, [])
+
+    def _once(self, key: str, step: int) -> bool:
+        """True for the first N attempts at a step ≥ the fault's step ("7" or "7x3")."""
+        if key not in self.spec:
+            return False
+        at, _, count = self.spec[key].partition("x")
+        if step < int(at) or self.fired.count(key) >= int(count or 1):
+            return False
+        self.fired.append(key)
+        return True
+
+    def before_step(self, step: int) -> None:
+        if self._once("crash_at_step", step):
+            print(f"[fault] crash before step {step}", flush=True)
+            if self.before_crash is not None:
+                self.before_crash()
+            os._exit(1)  # a crash: no protocol code, so the supervisor restarts the worker
+        if self._once("hang_at_step", step):
+            print(f"[fault] hang before step {step}", flush=True)
+            while True:
+                time.sleep(3600)
+
+    def poison(self, step: int) -> bool:
+        if "nan_from_step" in self.spec and step >= int(self.spec["nan_from_step"]):
+            return True
+        return self._once("nan_at_step", step)
+
+    def startup(self) -> None:
+        if "crash_at_startup" in self.spec:
+            print("[fault] crash at startup", flush=True)
+            os._exit(1)  # a crash, as above
+
+    @property
+    def slow_save(self) -> float:
+        return float(self.spec.get("slow_save", 0.0))
+
+    def during_save(self, step: int) -> None:
+        """Called mid-write (data files written, meta.json not yet), on the writer's thread."""
+        if self.slow_save:
+            time.sleep(self.slow_save)
+        if self._once("save_error_at_step", step):
+            print(f"[fault] checkpoint write error at step {step}", flush=True)
+            raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")

@@ -1,0 +1,122 @@
+"""The training worker: `m3run train CONFIG --run-dir DIR` / `python -m runner.train ...`.
+
+Builds the model, the optimizer, the schedule and the data stream from a `RunConfig`, resumes
+from a checkpoint when asked, trains, and leaves everything the supervisor watches in the run
+directory (heartbeat.json, metrics.jsonl, checkpoints/). Exit codes are the protocol in
+runner/protocol.py: 0 finished, 75 stopped after a saved checkpoint, 76 NaN excursion not healed,
+78 bad config or data, anything else a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from runner.checkpoint import layout as ckpt
+from runner.config import ConfigError, load_config
+from runner.data.manifest import DataError
+from runner.protocol import (
+    CHECKPOINTS_DIR,
+    EXIT_CONFIG,
+    EXIT_NAN,
+    EXIT_SAVE_FAILED,
+    EXIT_STOPPED,
+    WorkerPhase,
+)
+
+from .trainer import NaNExcursion, StopRequested, Trainer
+
+
+def run(
+    config: str | Path,
+    run_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    resume: str = "latest",
+    force: bool = False,
+    lr_scale: float = 1.0,
+) -> int:
+    """Train and return the worker's exit code (never raises for the expected failures)."""
+    trainer = None
+    try:
+        cfg = load_config(config, overrides)
+        if not (lr_scale > 0):
+            raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
+        trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale)
+        signal.signal(signal.SIGTERM, trainer._on_signal)
+        signal.signal(signal.SIGINT, trainer._on_signal)
+        trainer.setup()
+        if trainer.stop_signal is not None:
+            raise StopRequested
+        code = trainer.train()
+        trainer.set_phase(WorkerPhase.FINISHED)
+        if trainer.dist.writer:
+            print(f"finished: {trainer.step} steps, {trainer.tokens_seen:,} tokens", flush=True)
+        return code
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except StopRequested:
+        return _stop(trainer)
+    except ckpt.CheckpointError as e:
+        return _save_failed(trainer, e)
+    except NaNExcursion as e:
+        print(f"error: NaN excursion not healed: {e}", file=sys.stderr, flush=True)
+        trainer.set_phase(WorkerPhase.FAILED)
+        return EXIT_NAN
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+def _stop(trainer: Trainer) -> int:
+    """SIGTERM/SIGINT: the write in flight completes, then the stop step is saved (unless it is
+    that one) and waited for. Exit 75 only with that checkpoint complete on disk."""
+    trainer.set_phase(WorkerPhase.STOPPING)
+    saves = trainer.checkpointer
+    try:
+        saves.finish_saves()
+        if trainer.cfg.checkpoint.save_on_exit and saves.last_checkpoint_step != trainer.step:
+            saves.save()
+            saves.finish_saves()
+    except ckpt.CheckpointError as e:
+        return _save_failed(trainer, e)
+    trainer.set_phase(WorkerPhase.STOPPED)
+    last = saves.last_checkpoint_step
+    saved = f"checkpoint step {last} is complete" if last is not None else "no checkpoint yet"
+    print(f"stopped at step {trainer.step}; {saved}", flush=True)
+    return EXIT_STOPPED
+
+
+def _save_failed(trainer: Trainer | None, e: ckpt.CheckpointError) -> int:
+    last = trainer.last_checkpoint_step if trainer is not None else None
+    since = f"step {last}" if last is not None else "none yet, so from the start"
+    print(
+        f"error: {e}\nThe worker exits with code {EXIT_SAVE_FAILED} (a crash) so that the "
+        f"supervisor restarts it from the latest complete checkpoint ({since}). If this "
+        "repeats, fix the cause named above (disk space, permissions, the filesystem under "
+        f"{CHECKPOINTS_DIR}/).",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not isinstance(e.__cause__, (OSError, ckpt.CheckpointError)):
+        traceback.print_exception(e, file=sys.stderr)  # not a disk error: show where it failed
+    return EXIT_SAVE_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runner.train", description=__doc__)
+    p.add_argument("config", help="YAML recipe (e.g. configs/demo_cpu.yaml)")
+    p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", default="latest", help="latest (default) | none | STEP")
+    p.add_argument("--force", action="store_true", help="accept a changed config / restart")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="multiply the LR schedule")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return run(a.config, a.run_dir, a.overrides, a.resume, a.force, a.lr_scale)

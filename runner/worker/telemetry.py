@@ -1,0 +1,212 @@
+"""What the worker tells the outside while it trains: heartbeat.json (the supervisor's hang
+detection and `m3run status`), the metrics.jsonl records, the console step line, the optional
+experiment tracker (wandb, when WANDB_PROJECT is set) and the MFU estimate."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from runner.config import ConfigError, RunConfig, config_hash
+from runner.files import append_jsonl, atomic_write_json
+from runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
+from runner.runstate import format_duration
+
+from .dist import Dist
+
+if TYPE_CHECKING:
+    from .checkpointing import Checkpointer
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
+_BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The MFU denominator: M3RUN_PEAK_FLOPS, else the table above; None on CPU or unknown GPUs."""
+    if device.type != "cuda":
+        return None
+    if os.environ.get("M3RUN_PEAK_FLOPS"):
+        return float(os.environ["M3RUN_PEAK_FLOPS"])
+    name = torch.cuda.get_device_name(device)
+    for key, peak in _BF16_PEAK.items():
+        if key in name:
+            return peak
+    return None
+
+
+def _fmt_tokens(n: float) -> str:
+    return f"{n / 1e3:.1f}k" if n < 1e6 else f"{n / 1e6:.2f}M"
+
+
+class Telemetry:
+    """The worker's reports. `step()` reads the trainer's optimizer step; `saves`, once the
+    trainer has built its Checkpointer, supplies the heartbeat's checkpoint fields. Every rank
+    heartbeats (rank 0 into heartbeat.json, the others beside it); only writer ranks append to
+    metrics.jsonl, print step lines and log to the tracker."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        dist: Dist,
+        device: torch.device,
+        step: Callable[[], int],
+    ):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.dist = dist
+        self.device = device
+        self.step = step
+        self.saves: Checkpointer | None = None
+        self.phase = WorkerPhase.STARTUP
+        self.last: dict = {}  # the latest good step: loss, grad_norm, lr, tokens_per_s, mfu
+        self.step_time_s: float | None = None
+        self.peak_flops = peak_flops(device)
+        self.tracker = None
+        self._last_heartbeat = 0.0
+
+    # ---- heartbeat ----
+
+    def set_phase(self, phase: WorkerPhase) -> None:
+        self.phase = phase
+        self.heartbeat(force=True)
+
+    def heartbeat(self, force: bool = False) -> None:
+        """Rewrite this rank's heartbeat file, at most every log.heartbeat_interval_s unless
+        forced."""
+        now = time.time()
+        if not force and now - self._last_heartbeat < self.cfg.log.heartbeat_interval_s:
+            return
+        self._last_heartbeat = now
+        vram = None
+        if self.device.type == "cuda":
+            vram = torch.cuda.max_memory_allocated(self.device)
+        saves = self.saves
+        beat = Heartbeat(
+            ts=now,
+            phase=self.phase,
+            pid=os.getpid(),
+            step=self.step(),
+            total_steps=self.cfg.train.total_steps,
+            loss=self.last.get("loss"),
+            lr=self.last.get("lr"),
+            grad_norm=self.last.get("grad_norm"),
+            tokens_per_s=self.last.get("tokens_per_s"),
+            mfu=self.last.get("mfu"),
+            vram_bytes=vram,
+            step_time_s=self.step_time_s,
+            checkpoint_time_s=saves.checkpoint_time_s if saves else None,
+            checkpoint_write_s=saves.checkpoint_write_s if saves else None,
+            checkpoint_in_flight_step=saves.in_flight_step if saves else None,
+            last_checkpoint_step=saves.last_checkpoint_step if saves else None,
+        )
+        atomic_write_json(self.run_dir / heartbeat_file(self.dist.local_rank), beat.to_dict())
+
+    # ---- metrics.jsonl and the console ----
+
+    def record(self, record: dict) -> None:
+        """Append one record to metrics.jsonl (callers decide which ranks write)."""
+        append_jsonl(self.run_dir / METRICS_FILE, record)
+
+    def log_train(
+        self,
+        step: int,
+        out: dict,
+        *,
+        step_time_s: float,
+        tokens_per_step: int,
+        tokens_seen: int,
+        n_params: int,
+        eta_s: float,
+    ) -> None:
+        """A logged training step: its record (metrics.jsonl, tracker) and its console line.
+        `step_time_s` is the mean over the steps since the last logged one, evals and saves
+        excluded."""
+        self.step_time_s = step_time_s
+        tps = tokens_per_step / step_time_s
+        # Training FLOPs ≈ 6 × parameters per token (Kaplan et al. 2020), over the device peak.
+        mfu = 6 * n_params * tps / self.peak_flops if self.peak_flops else None
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": out["loss"],
+            "ppl": math.exp(min(out["loss"], 50.0)),
+            "lr": out["lr"],
+            "grad_norm": out["grad_norm"],
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "tokens_seen": tokens_seen,
+            "time": time.time(),
+        }
+        self.last.update(tokens_per_s=tps, mfu=mfu)
+        if not self.dist.writer:
+            return
+        self.record(record)
+        self.track(record)
+        mem = ""
+        if self.device.type == "cuda":
+            mem = f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GB"
+        mfu_text = f" | mfu {record['mfu'] * 100:.1f}%" if record["mfu"] is not None else ""
+        print(
+            f"step {record['step']}/{self.cfg.train.total_steps} | loss {record['loss']:.4f} "
+            f"| ppl {record['ppl']:.1f} | lr {record['lr']:.2e} | gnorm {record['grad_norm']:.3f} "
+            f"| {_fmt_tokens(record['tokens_per_s'])} tok/s{mfu_text}{mem} "
+            f"| eta {format_duration(eta_s)}",
+            flush=True,
+        )
+
+    def log_eval(self, step: int, loss: float) -> None:
+        record = {"kind": "eval", "step": step, "eval_loss": loss, "time": time.time()}
+        self.record(record)
+        self.track(record)
+        print(f"eval step {step} | val loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.1f}")
+
+    # ---- the experiment tracker ----
+
+    def start_tracker(self, resumed: bool) -> None:
+        """Start wandb when WANDB_PROJECT is set. A failure is a ConfigError at the first
+        launch (the user asked for tracking) and a warning on resume (never kill a run)."""
+        project = os.environ.get("WANDB_PROJECT")
+        if not project:
+            return
+        try:
+            import wandb  # optional: only when WANDB_PROJECT is set
+
+            self.tracker = wandb.init(
+                project=project,
+                name=self.run_dir.name,
+                dir=str(self.run_dir),
+                config=self.cfg.model_dump(mode="json"),
+                resume="allow",
+                id=f"m3run-{config_hash(self.cfg)[:12]}",
+            )
+        except Exception as e:
+            if not resumed:
+                raise ConfigError(
+                    f"WANDB_PROJECT={project} is set but the experiment tracker failed to start: "
+                    f"{type(e).__name__}: {e}. Fix: install and log in to wandb "
+                    "(`pip install wandb; wandb login`), or unset WANDB_PROJECT."
+                ) from e
+            print(f"warning: experiment tracker unavailable on resume ({e}); training goes on")
+            self.tracker = None
+
+    def track(self, record: dict) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.log({k: v for k, v in record.items() if k != "kind"}, step=self.step())
+        except Exception as e:  # a tracker outage must never kill a running job
+            print(f"warning: experiment tracker failed ({e}); disabling it for this process")
+            self.tracker = None
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            with contextlib.suppress(Exception):
+                self.tracker.finish()

@@ -1,0 +1,395 @@
+"""The training loop: setup and resume, `train()` over `train_step()`, the non-finite guard and
+its in-process rollback, evaluation, and the counters a checkpoint keeps. Saving, telemetry and
+building the parts are delegated to the sibling modules."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from runner.checkpoint import layout as ckpt
+from runner.config import ConfigError, RunConfig
+from runner.data.loader import BatchLoader, check_vocab, eval_batches
+from runner.protocol import CHECKPOINTS_DIR, EXIT_OK, WorkerPhase
+
+from .build import (
+    autocast,
+    build_model,
+    build_optimizer,
+    freeze_config,
+    resolve_device,
+    resolve_precision,
+    resolve_scan_backend,
+)
+from .checkpointing import Checkpointer
+from .dist import Dist
+from .faults import Faults
+from .schedule import lr_at
+from .telemetry import Telemetry
+
+
+class NaNExcursion(RuntimeError):
+    """Non-finite steps the in-process rollback could not heal (worker exit 76)."""
+
+
+class StopRequested(Exception):
+    pass
+
+
+class Trainer:
+    """One worker rank's training run over `run_dir`: `setup()`, then `train()`, then
+    `close()` on every path. The counters (step, tokens seen, the NaN-rollback state) round-trip
+    through `state_dict()` / `load_state_dict()` inside each checkpoint."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        resume: str = "latest",
+        force: bool = False,
+        lr_scale: float = 1.0,
+    ):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.force = force
+        self.lr_scale_arg = lr_scale
+        self.faults = Faults.from_env()
+        self.stop_signal: int | None = None
+        self.step = 0
+        self.tokens_seen = 0
+        self.lr_scale = 1.0
+        self.nan_rollbacks = 0
+        self.skip_positions: list[int] = []  # data positions of windows that produced NaN
+        self.dist = Dist()
+        # Built by setup(): close() and the exit paths cope with a setup that failed early.
+        self.telemetry: Telemetry | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.loader: BatchLoader | None = None
+        self.resumed_from: int | None = None
+
+    # ---- counters ----
+
+    def state_dict(self) -> dict:
+        """The counters a checkpoint keeps in optim.pt, beside optimizer, data and RNG state."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "lr_scale": self.lr_scale,
+            "nan_rollbacks": self.nan_rollbacks,
+            "skip_positions": list(self.skip_positions),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.lr_scale = float(state["lr_scale"])
+        self.nan_rollbacks = int(state["nan_rollbacks"])
+        self.skip_positions = [int(p) for p in state["skip_positions"]]
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The newest step known complete on disk (None before setup built the checkpointer)."""
+        return self.checkpointer.last_checkpoint_step if self.checkpointer else None
+
+    def set_phase(self, phase: WorkerPhase) -> None:
+        assert self.telemetry is not None, "setup() builds the telemetry"
+        self.telemetry.set_phase(phase)
+
+    # ---- setup ----
+
+    def setup(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.writer:
+            freeze_config(cfg, self.run_dir, self.force)
+        self.device = resolve_device(cfg, self.dist)
+        self.dist.init(cfg, self.device)
+        self.local_accum = self.dist.local_accumulation(cfg)
+        self.scan_backend = resolve_scan_backend(cfg, self.device)
+        self.telemetry = Telemetry(cfg, self.run_dir, self.dist, self.device, lambda: self.step)
+        self.telemetry.heartbeat(force=True)
+        self.faults.startup()
+        self.autocast_dtype = resolve_precision(cfg, self.device)
+
+        self.model = build_model(cfg, self.device)
+        self.model.activation_checkpointing = t.activation_checkpointing
+        self.n_params = self.model.num_params()
+        self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
+        self.loader = BatchLoader(
+            cfg.data.train_path,
+            cfg.data.seq_len,
+            t.micro_batch_size,
+            t.seed,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            prefetch=cfg.data.prefetch,
+            pin_memory=self.device.type == "cuda",
+        )
+        check_vocab(self.loader, cfg.model.vocab_size)
+        self.val_batches = None
+        if cfg.eval.interval_steps and cfg.data.val_path:
+            self.val_batches = eval_batches(
+                cfg.data.val_path, cfg.data.seq_len, t.micro_batch_size, cfg.eval.steps
+            )
+        self.checkpointer = Checkpointer(
+            cfg, self.run_dir, self.dist, self.faults, self.telemetry,
+            model=self.model, optimizer=self.optimizer, loader=self.loader, counters=self,
+            force=self.force,
+        )  # fmt: skip
+        self.telemetry.saves = self.checkpointer
+        self.resumed_from = self.checkpointer.resumed_from = self._resume()
+        self.lr_scale *= self.lr_scale_arg
+        self.ddp_model = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp_model = DistributedDataParallel(self.model, device_ids=ids)
+        self.step_model = self.ddp_model
+        if t.compile:
+            mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
+            self.step_model = torch.compile(self.ddp_model, mode=mode)
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
+        self.telemetry.start_tracker(resumed=self.resumed_from is not None)
+
+    # ---- resume ----
+
+    def _resume(self) -> int | None:
+        resume = self.resume
+        infos = ckpt.list_checkpoints(self.run_dir, verify=False)
+        if resume == "none":
+            if infos and not self.force:
+                raise ConfigError(
+                    f"--resume none but {self.run_dir / CHECKPOINTS_DIR} already holds "
+                    f"{len(infos)} checkpoint(s). Fix: use --resume latest to continue, "
+                    "or --force to start over (the old checkpoints are moved aside, not deleted)."
+                )
+            if infos and self.dist.writer:
+                aside = self.run_dir / f"{CHECKPOINTS_DIR}.old-{int(time.time())}"
+                os.replace(self.run_dir / CHECKPOINTS_DIR, aside)
+                print(f"--resume none --force: previous checkpoints moved to {aside}")
+            self.dist.barrier()
+            return None
+        if resume == "latest":
+            info = ckpt.latest_complete(self.run_dir)
+            if self.dist.enabled:
+                # Every host resumes from the same step: the newest one all of them hold.
+                agreed = self.dist.all_min(info.step if info is not None else -1)
+                info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
+            if info is None:
+                torn = [i for i in infos if not i.complete]
+                if torn:
+                    print(f"note: ignoring {len(torn)} incomplete checkpoint(s); starting fresh")
+                return None
+        else:
+            try:
+                step = int(resume)
+            except ValueError:
+                raise ConfigError(
+                    f"--resume must be latest, none or a step number, got {resume!r}"
+                ) from None
+            try:
+                info = ckpt.find_step(self.run_dir, step)
+            except ckpt.CheckpointError as e:
+                raise ConfigError(str(e)) from e
+        self.checkpointer.load(info.path)
+        if self.dist.writer:
+            print(f"resumed from {info.path} (step {self.step})", flush=True)
+            self.telemetry.record(
+                {"kind": "resume", "step": self.step, "time": time.time(), "pid": os.getpid()}
+            )
+        return self.step
+
+    # ---- the loop ----
+
+    def _on_signal(self, signum, frame) -> None:
+        # Only set the flag: a print here could re-enter a stdout write the signal interrupted
+        # and lose the stop. The training loop reports it at the next step boundary.
+        self.stop_signal = signum
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum_steps micro-batches. Returns the step's loss,
+        grad norm and lr, or, when the step was skipped as non-finite (weights and moments
+        untouched), {"bad": True, ...} with the data position it started at."""
+        t = self.cfg.train
+        step = self.step + 1
+        self.faults.before_step(step)
+        lr = lr_at(self.cfg, step) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # A NaN streak recorded several consecutive windows: skip every one of them.
+        while self.loader.windows_consumed in self.skip_positions:
+            pos = self.loader.windows_consumed
+            self.loader.skip(self.local_accum)
+            if self.dist.writer:
+                print(f"skipping the data window at position {pos} (it gave NaN earlier)")
+        start_pos = self.loader.windows_consumed
+        poison = self.faults.poison(step)
+        loss_sum = torch.zeros((), device=self.device)
+        amp = autocast(self.device, self.autocast_dtype)
+        for i in range(self.local_accum):
+            x, y = self.loader.next_batch()
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            # DDP all-reduces gradients only on the last micro-batch of the window.
+            sync = i == self.local_accum - 1 or not self.dist.enabled
+            with amp, contextlib.nullcontext() if sync else self.ddp_model.no_sync():
+                loss = self.step_model(x, y)
+                if poison:
+                    loss = loss * float("nan")
+                # Divide before backward so the summed gradients are those of the mean loss.
+                (loss / self.local_accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        # The logged loss is the mean over every micro-batch of the step, on every rank.
+        mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
+        # One host sync per step: the non-finite guard needs both numbers before the update.
+        mean_loss, gnorm = torch.stack([mean.float(), grad_norm.float()]).tolist()
+        if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": mean_loss, "grad_norm": gnorm, "lr": lr}
+
+    def rollback(self, bad_positions: list[int]) -> None:
+        """In-process recovery from a NaN excursion: back to the latest complete checkpoint,
+        never again on the offending data, with the learning rate scaled down."""
+        self.nan_rollbacks += 1
+        if self.nan_rollbacks > self.cfg.train.nan_max_rollbacks:
+            raise NaNExcursion(
+                f"{self.nan_rollbacks - 1} in-process rollbacks did not heal the non-finite "
+                f"loss/gradients at step {self.step + 1}"
+            )
+        self.checkpointer.finish_saves()  # a checkpoint still being written is the one to use
+        info = ckpt.latest_complete(self.run_dir)
+        if self.dist.enabled:
+            agreed = self.dist.all_min(info.step if info is not None else -1)
+            info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
+        if info is None:
+            raise NaNExcursion(
+                f"non-finite loss/gradients at step {self.step + 1} and no complete checkpoint "
+                "to roll back to"
+            )
+        skip = sorted(set(self.skip_positions) | set(bad_positions))
+        rollbacks = self.nan_rollbacks
+        scale = self.lr_scale * self.cfg.train.nan_lr_factor
+        self.checkpointer.load(info.path)
+        # What the rollback decided outlives the checkpoint it restored.
+        self.skip_positions, self.nan_rollbacks, self.lr_scale = skip, rollbacks, scale
+        if not self.dist.writer:
+            return
+        self.telemetry.record(
+            {"kind": "rollback", "step": self.step, "lr_scale": scale, "time": time.time(),
+             "skipped_positions": skip},
+        )  # fmt: skip
+        print(
+            f"NaN rollback #{rollbacks}: restored step {self.step}, lr scale {scale:g}, "
+            f"skipping {len(skip)} data window(s)",
+            flush=True,
+        )
+
+    def eval(self) -> float | None:
+        if self.val_batches is None or not self.dist.writer:
+            return None
+        self.set_phase(WorkerPhase.EVAL)
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for x, y in self.val_batches:
+                x, y = x.to(self.device), y.to(self.device)
+                with autocast(self.device, self.autocast_dtype):
+                    total += self.model(x, y).item()
+        self.model.train()
+        self.set_phase(WorkerPhase.TRAINING)
+        loss = total / len(self.val_batches)
+        self.telemetry.log_eval(self.step, loss)
+        return loss
+
+    def train(self) -> int:
+        cfg, t = self.cfg, self.cfg.train
+        saves, telemetry = self.checkpointer, self.telemetry
+        self.model.train()
+        self.set_phase(WorkerPhase.TRAINING)
+        bad_streak: list[int] = []
+        # Step time excludes evals and checkpoint saves (they are reported on their own).
+        window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
+        run_t0, run_step0 = time.perf_counter(), self.step
+        while self.step < t.total_steps:
+            saves.poll_save()  # a finished background save is reported, a failed one raised
+            if self._stop_agreed():
+                raise StopRequested
+            out = self.train_step()
+            if out.get("bad"):
+                bad_streak.append(out["start_pos"])
+                if self.dist.writer:
+                    print(
+                        f"step {self.step + 1}: non-finite loss {out['loss']} / grad norm "
+                        f"{out['grad_norm']}: step skipped ({len(bad_streak)} in a row)",
+                        flush=True,
+                    )
+                    telemetry.record(
+                        {"kind": "nonfinite", "step": self.step + 1, "time": time.time()}
+                    )
+                if len(bad_streak) >= t.nan_max_consecutive:
+                    self.rollback(bad_streak)
+                    bad_streak = []
+                telemetry.heartbeat()
+                continue
+            bad_streak = []
+            window_steps += 1
+            telemetry.last.update(out)
+            if self.step % cfg.log.interval_steps == 0 or self.step == t.total_steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - window_t0 - paused
+                run_rate = (time.perf_counter() - run_t0) / max(1, self.step - run_step0)
+                telemetry.log_train(
+                    self.step,
+                    out,
+                    step_time_s=elapsed / max(1, window_steps),
+                    tokens_per_step=self.tokens_per_step,
+                    tokens_seen=self.tokens_seen,
+                    n_params=self.n_params,
+                    eta_s=run_rate * (t.total_steps - self.step),
+                )
+                window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
+            t_aside = time.perf_counter()
+            if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
+                self.eval()
+            if self.step % cfg.checkpoint.interval_steps == 0 or self.step == t.total_steps:
+                saves.save()
+            paused += time.perf_counter() - t_aside
+            telemetry.heartbeat()
+        saves.finish_saves()  # the final checkpoint is complete on disk before "finished"
+        return EXIT_OK
+
+    def _stop_agreed(self) -> bool:
+        """Every rank stops at the same step boundary: a signal seen by any rank stops all."""
+        if not self.dist.enabled:
+            stop = self.stop_signal is not None
+        else:
+            flag = torch.tensor([0 if self.stop_signal is None else 1], device=self.device)
+            stop = bool(self.dist.all_sum(flag).item())
+        if stop and self.dist.writer:
+            why = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank"
+            print(f"stop requested ({why}): saving at step {self.step}", flush=True)
+        return stop
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.dist.close()
+        if self.loader is not None:
+            self.loader.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
