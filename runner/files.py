@@ -1,27 +1,153 @@
 """File mechanics every process of a run shares: atomic replace, JSON and JSONL records,
-sha256 and fsync. Torch-free.
+appends, sha256 and fsync. Torch-free.
 
 Writers in a run directory use these so that a reader (the supervisor, `m3run status`, a
 sidecar) never sees a half-written file, and a killed writer leaves at worst a torn last JSONL
-line, which the reader skips.
+line, which the reader skips. Every file is created with the process umask (another uid may
+read a run dir: a sidecar, a monitoring job) and opened without following a symbolic link, so
+a link planted in a run dir never redirects a write.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _HASH_BLOCK = 1 << 20
+# Created files get 0666 minus the umask, as `open()` in any tool would give them.
+_CREATE_MODE = 0o666
+
+
+class SymlinkError(OSError):
+    """A run-dir file m3run writes is a symbolic link: it never writes through one."""
+
+
+def _open(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, _CREATE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP and path.is_symlink():
+            refuse_symlinks(path.parent, (path.name,))
+        raise
+
+
+def refuse_symlinks(directory: Path, names: tuple[str, ...], globs: tuple[str, ...] = ()) -> None:
+    """SymlinkError for the first of `names` (or of the files matching `globs`) in `directory`
+    that is a symbolic link."""
+    paths = [directory / n for n in names] + [p for g in globs for p in directory.glob(g)]
+    for path in paths:
+        if path.is_symlink():
+            raise SymlinkError(
+                errno.ELOOP,
+                f"{path} is a symbolic link (to {os.readlink(path)}); m3run never writes "
+                "through a link in a run dir. Fix: remove the link, or use another run dir",
+                str(path),
+            )
+
+
+def open_append(path: str | os.PathLike, *, binary: bool = False) -> IO:
+    """Open a log for appending (created with the umask, never through a symbolic link)."""
+    fd = _open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    if binary:
+        return os.fdopen(fd, "ab")
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+
+class PidLock:
+    """An exclusive flock on a file that holds the holder's pid, so a refused writer can name
+    it. The kernel drops the lock when the holder dies, however it dies."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock: None, or (held elsewhere) the holder's pid as its file says it."""
+        fd = _open(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return holder
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def lock_holder(path: str | os.PathLike) -> int | None:
+    """The pid written in a lock file while some process holds its flock, else None (free, or
+    no such file). Never takes the lock for longer than the probe."""
+    try:
+        fd = _open(Path(path), os.O_RDONLY)
+    except (FileNotFoundError, SymlinkError):
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give a file written by a library that creates it 0600 the mode the umask allows."""
+    os.chmod(path, _CREATE_MODE & ~umask(), follow_symlinks=False)
+
+
+def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line for a failed write: the path, the errno by name, and what to do."""
+    if isinstance(err, SymlinkError):
+        return err.strerror
+    where = path if path is not None else (err.filename or "?")
+    name = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
+    fix = {
+        errno.ENOSPC: "free space on that filesystem or move the run dir to a larger one",
+        errno.EDQUOT: "raise the disk quota or free space",
+        errno.EFBIG: "the file outgrew the filesystem's limit: move the run dir",
+        errno.EROFS: "the filesystem is mounted read-only: mount it read-write or use "
+        "another run dir",
+        errno.EACCES: f"make it writable by uid {os.getuid()} (chown/chmod) or use another run dir",
+        errno.EPERM: f"make it writable by uid {os.getuid()} or use another run dir",
+    }.get(err.errno or 0, "check the filesystem (dmesg), then relaunch")
+    return f"cannot write {where}: {err.strerror or err} ({name}); fix: {fix}"
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
     """Write text to a temp file beside ``path`` and rename it over ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -53,7 +179,7 @@ def read_json(path: str | os.PathLike) -> dict | None:
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """Append one JSON record as a single write (O_APPEND keeps concurrent lines whole)."""
     line = json.dumps(record, sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = _open(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line.encode())
     finally:

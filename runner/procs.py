@@ -20,6 +20,8 @@ from typing import Any
 
 import psutil
 
+from runner.files import open_append
+
 # psutil derives create times from clock ticks since boot; two reads can differ by rounding.
 _CREATE_TIME_TOLERANCE_S = 0.5
 
@@ -85,7 +87,7 @@ def spawn_logged(
     """Start `argv` in a new session, stdin closed, stdout and stderr appended to `log_path`
     (after a `--- header` line when given). Returns the process and the log offset at which
     its output starts."""
-    with open(log_path, "ab") as log_file:
+    with open_append(log_path, binary=True) as log_file:
         if header is not None:
             log_file.write(f"--- {header}\n".encode())
             log_file.flush()

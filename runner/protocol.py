@@ -49,6 +49,19 @@ STOP_REQUEST_FILE = "stop_request.json"
 # code is recorded by the rank wrapper, since torchrun exits 1 whatever its ranks' codes were.
 RANK_HEARTBEAT_GLOB = "heartbeat.local*.json"
 WORKER_EXIT_GLOB = "worker_exit.local*.json"
+# Every file m3run writes at a run dir's top level (the per-rank ones match the globs above).
+RUN_DIR_FILES = (
+    CONFIG_FILE,
+    STATE_FILE,
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    EVENTS_FILE,
+    LOCK_FILE,
+    WORKER_LOG,
+    SUPERVISOR_LOG,
+    SMOKE_FILE,
+    STOP_REQUEST_FILE,
+)
 
 
 def heartbeat_file(local_rank: int = 0) -> str:

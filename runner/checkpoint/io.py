@@ -39,7 +39,7 @@ from runner.checkpoint.layout import (
     read_and_verify,
     remove_leftovers,
 )
-from runner.files import fsync_path, sha256_file
+from runner.files import apply_umask, fsync_path, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -297,6 +297,7 @@ def write_checkpoint(
         # One metadata key only: safetensors writes its metadata map in no fixed order, and the
         # same state must always give the same bytes (and sha256).
         save_file(dict(cpu_model_state), tmp / MODEL_FILE, metadata={"format": "pt"})
+        apply_umask(tmp / MODEL_FILE)  # safetensors creates it 0600
         fsync_path(tmp / MODEL_FILE)
         with open(tmp / OPTIM_FILE, "wb") as f:
             torch.save(dict(cpu_optim_state), f)

@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from runner.files import append_jsonl
+from runner.files import append_jsonl, open_append
 from runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
 
 
@@ -20,7 +20,7 @@ class EventLog:
 
     def __init__(self, run_dir: Path, console: bool):
         self.run_dir = run_dir
-        self._file = open(run_dir / SUPERVISOR_LOG, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._file = open_append(run_dir / SUPERVISOR_LOG)
         timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
         self._log = structlog.wrap_logger(
             structlog.PrintLogger(self._file),

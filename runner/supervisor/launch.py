@@ -4,8 +4,7 @@ process or detached in the background."""
 
 from __future__ import annotations
 
-import fcntl
-import os
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,14 @@ from typing import Any
 import yaml
 
 from runner.config import ConfigError, config_hash, load_config
-from runner.files import append_jsonl, atomic_write_text, read_json
+from runner.files import (
+    PidLock,
+    append_jsonl,
+    atomic_write_text,
+    describe_os_error,
+    read_json,
+    refuse_symlinks,
+)
 from runner.procs import spawn_logged
 from runner.protocol import (
     CONFIG_FILE,
@@ -24,8 +30,11 @@ from runner.protocol import (
     EXIT_OK,
     EXIT_REFUSED,
     LOCK_FILE,
+    RANK_HEARTBEAT_GLOB,
+    RUN_DIR_FILES,
     STATE_FILE,
     SUPERVISOR_LOG,
+    WORKER_EXIT_GLOB,
 )
 from runner.supervisor.preflight import NvmlProbe, SmokeTest
 from runner.supervisor.settings import SupervisorSettings
@@ -48,30 +57,28 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_FILE
-        self._fd: int | None = None
+        self._lock = PidLock(self.path)
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+        holder = self._lock.acquire()
+        if holder is not None:
             run_dir = self.path.parent
             raise LaunchError(
                 f"run dir {run_dir} is busy: supervisor pid {holder} holds {self.path}. "
                 f"Watch it with `m3run status {run_dir}`, stop it with `m3run stop {run_dir}`, "
                 "or launch into another --run-dir",
                 EXIT_REFUSED,
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+            )
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        self._lock.release()
+
+    def discard(self) -> None:
+        """Remove the lock file and, when nothing else is left, the run dir (a launch that
+        was refused before it started must not leave a dir that looks like a run)."""
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()
 
 
 @dataclass
@@ -161,21 +168,24 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
 
 def launch(opts: LaunchOptions) -> int:
     """Take the run dir's lock, freeze the config and supervise the run in this process.
-    Returns the supervisor's exit code; refusals print their reason to stderr."""
+    Returns the supervisor's exit code; refusals print their reason to stderr. A launch refused
+    before its supervisor ran leaves no trace in a run dir it created."""
+    created = not opts.run_dir.exists()
     try:
         resume = check_resume(opts.resume)
         opts.run_dir.mkdir(parents=True, exist_ok=True)
+        refuse_symlinks(opts.run_dir, RUN_DIR_FILES, (RANK_HEARTBEAT_GLOB, WORKER_EXIT_GLOB))
         lock = RunLock(opts.run_dir)
         lock.acquire()
     except LaunchError as e:
         print(f"m3run launch: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        print(f"m3run launch: {describe_os_error(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    sup = None
     try:
-        try:
-            cfg, chash = freeze_config(opts)
-        except LaunchError as e:
-            print(f"m3run launch: {e}", file=sys.stderr)
-            return e.exit_code
+        cfg, chash = freeze_config(opts)
         for warning in cfg.warnings():
             print(f"m3run launch: warning: {warning}", file=sys.stderr)
         settings = SupervisorSettings.from_config(cfg)
@@ -191,6 +201,18 @@ def launch(opts: LaunchOptions) -> int:
             gpu=NvmlProbe(settings.health_timeout_s),
             smoke=SmokeTest(opts.run_dir / CONFIG_FILE) if settings.smoke else None,
         )
+    except LaunchError as e:
+        print(f"m3run launch: {e}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        print(f"m3run launch: {describe_os_error(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        if sup is None and created:
+            lock.discard()
+        if sup is None:
+            lock.release()
+    try:
         return sup.run()
     finally:
         lock.release()

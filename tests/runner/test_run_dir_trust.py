@@ -1,0 +1,150 @@
+"""A run dir as other people's processes see it: files another uid can read, links that never
+redirect a write, refused launches that leave nothing behind. Real launches, real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+
+from runner.files import append_jsonl, atomic_write_json, open_append
+from runner.protocol import (
+    CONFIG_FILE,
+    EVENTS_FILE,
+    EXIT_CONFIG,
+    EXIT_OK,
+    HEARTBEAT_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    SMOKE_FILE,
+    STATE_FILE,
+    SUPERVISOR_LOG,
+    WORKER_LOG,
+)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _launch(run_dir: Path, sets: list[str], umask: int = 0o022) -> subprocess.CompletedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "runner.cli",
+        "launch",
+        str(DEMO_CONFIG),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for kv in sets:
+        argv += ["--set", kv]
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env=worker_env(OMP_NUM_THREADS="1"),
+        cwd=REPO,
+        timeout=240,
+        preexec_fn=lambda: os.umask(umask),
+    )
+
+
+def test_shared_file_helpers_create_files_with_the_umask(tmp_path):
+    old = os.umask(0o002)
+    try:
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        append_jsonl(tmp_path / "b.jsonl", {"x": 1})
+        with open_append(tmp_path / "c.log") as f:
+            f.write("line\n")
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.jsonl", "c.log"):
+        assert _mode(tmp_path / name) == 0o664, name
+
+
+@pytest.mark.slow
+def test_every_run_dir_file_follows_the_umask(tmp_path, corpus):
+    # Another uid (a sidecar, a monitoring job, `docker exec` as another user) reads the run
+    # dir: nothing may be written 0600 behind the umask's back.
+    run_dir = tmp_path / "run"
+    sets = tiny_run_overrides(corpus, **{"train.total_steps": 6, "checkpoint.interval_steps": 3})
+    done = _launch(run_dir, sets, umask=0o002)
+    assert done.returncode == EXIT_OK, done.stdout + done.stderr
+    files = [
+        run_dir / n
+        for n in (CONFIG_FILE, STATE_FILE, HEARTBEAT_FILE, METRICS_FILE, EVENTS_FILE, SMOKE_FILE)
+    ]
+    files += [run_dir / SUPERVISOR_LOG, run_dir / WORKER_LOG]
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert ckpts
+    files += [p for p in ckpts[-1].iterdir()]
+    wrong = {str(p.relative_to(run_dir)): oct(_mode(p)) for p in files if _mode(p) != 0o664}
+    assert not wrong, wrong
+    # The prepared corpus (written under this process's umask, 022) as well.
+    for manifest in corpus.glob("*/manifest.json"):
+        assert _mode(manifest) == 0o666 & ~0o022, manifest
+
+
+def test_symlinked_run_dir_files_are_refused_and_their_targets_untouched(tmp_path, corpus):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in (LOCK_FILE, SUPERVISOR_LOG, WORKER_LOG, METRICS_FILE):
+        run_dir = tmp_path / f"run-{name}"
+        run_dir.mkdir()
+        (run_dir / name).symlink_to(victim)
+        done = _launch(run_dir, tiny_run_overrides(corpus))
+        assert done.returncode == EXIT_CONFIG, (name, done.stdout + done.stderr)
+        assert "symbolic link" in done.stderr and name in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+        assert victim.read_text() == "precious\n", name
+
+
+def test_direct_writes_never_follow_a_planted_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OSError, match="symbolic link"):
+        append_jsonl(tmp_path / "metrics.jsonl", {"step": 1})
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_refused_launch_leaves_no_run_dir_behind(tmp_path, corpus):
+    run_dir = tmp_path / "never"
+    done = _launch(run_dir, [*tiny_run_overrides(corpus), "train.warmup_steps=0"])
+    assert done.returncode == EXIT_CONFIG, done.stderr
+    assert "warmup_steps" in done.stderr
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
+
+
+def test_an_unwritable_run_dir_is_exit_78_naming_the_path_and_errno(tmp_path, corpus):
+    if os.geteuid() == 0:
+        # root writes through file modes: make the directory read-only with a read-only
+        # bind mount instead, when the kernel lets this process mount.
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        bind = subprocess.run(["mount", "--bind", str(ro), str(ro)]).returncode == 0
+        remount = ["mount", "-o", "remount,ro,bind", str(ro)]
+        if not bind or subprocess.run(remount).returncode != 0:
+            if bind:
+                subprocess.run(["umount", str(ro)])
+            pytest.skip(
+                "root here cannot mount a read-only bind mount to make a run dir unwritable"
+            )
+        try:
+            done = _launch(ro, tiny_run_overrides(corpus))
+        finally:
+            subprocess.run(["umount", str(ro)])
+        run_dir = ro
+    else:
+        run_dir = tmp_path / "ro"
+        run_dir.mkdir(mode=0o555)
+        done = _launch(run_dir, tiny_run_overrides(corpus))
+    assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
+    assert str(run_dir) in done.stderr and ("EROFS" in done.stderr or "EACCES" in done.stderr)
+    assert "Traceback" not in done.stderr
