@@ -21,10 +21,10 @@ from runner.protocol import WorkerPhase
 
 from .dist import Dist
 from .faults import Faults
-from .telemetry import Telemetry
+from .telemetry import SaveStatus, Telemetry
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from torch.distributed.checkpoint.stateful import Stateful
 
 # A background checkpoint write running longer than max(this, 10 × the longest one so far) is
 # treated as stuck: waiting for it no longer refreshes the heartbeat (see _wait_for_save).
@@ -32,10 +32,11 @@ _WRITE_HANG_S = 600.0
 
 
 class Checkpointer:
-    """Checkpoints of one run dir. `counters` is the trainer, whose state_dict() holds the
-    step, tokens seen and the NaN-rollback state; the step in `resumed_from` is never deleted
-    by retention. Writer ranks write; the other ranks take part in the barriers and learn that a
-    background write completed from the next save or finish_saves()."""
+    """Checkpoints of one run dir. `counters` (the trainer) round-trips the step, tokens seen
+    and the NaN-rollback state through state_dict()/load_state_dict(); the step in
+    `resumed_from` is never deleted by retention. Writer ranks write; the other ranks take part
+    in the barriers and learn that a background write completed from the next save or
+    finish_saves()."""
 
     def __init__(
         self,
@@ -48,7 +49,7 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         loader: BatchLoader,
-        counters: Trainer,
+        counters: Stateful,
         force: bool,
     ):
         self.cfg = cfg
@@ -73,10 +74,14 @@ class Checkpointer:
         self._longest_write_s = 0.0
         faults.before_crash = self._writer.join
 
-    @property
-    def in_flight_step(self) -> int | None:
-        """The step of a background write not yet collected, else None."""
-        return self._writer.pending_step
+    def status(self) -> SaveStatus:
+        """What the heartbeat says about checkpoints."""
+        return SaveStatus(
+            last_checkpoint_step=self.last_checkpoint_step,
+            checkpoint_time_s=self.checkpoint_time_s,
+            checkpoint_write_s=self.checkpoint_write_s,
+            in_flight_step=self._writer.pending_step,
+        )
 
     # ---- saving ----
 
@@ -97,7 +102,7 @@ class Checkpointer:
         background = self.cfg.checkpoint.async_save
         if background:
             self._wait_for_save()  # at most one write in flight: its buffers are reused below
-        step, path, result = self.counters.step, None, None
+        step, path, result = self.counters.state_dict()["step"], None, None
         if self.dist.writer:
             state, meta = self._checkpoint_state()
             model_state = self.model.state_dict()
@@ -276,4 +281,4 @@ class Checkpointer:
         device = self.dist.device
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        self.last_checkpoint_step = self.counters.step
+        self.last_checkpoint_step = int(state["step"])

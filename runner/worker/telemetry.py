@@ -9,8 +9,8 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +20,6 @@ from runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
 from runner.runstate import format_duration
 
 from .dist import Dist
-
-if TYPE_CHECKING:
-    from .checkpointing import Checkpointer
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
 _BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
@@ -41,13 +38,27 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class SaveStatus:
+    """The heartbeat's checkpoint fields, as the Checkpointer last knew them."""
+
+    last_checkpoint_step: int | None  # complete on disk
+    checkpoint_time_s: float | None  # training stall of the latest save
+    checkpoint_write_s: float | None  # write time of the latest complete save
+    in_flight_step: int | None  # a background write not yet collected
+
+
+_NO_SAVES = SaveStatus(None, None, None, None)  # before the trainer built its Checkpointer
+
+
 def _fmt_tokens(n: float) -> str:
     return f"{n / 1e3:.1f}k" if n < 1e6 else f"{n / 1e6:.2f}M"
 
 
 class Telemetry:
-    """The worker's reports. `step()` reads the trainer's optimizer step; `saves`, once the
-    trainer has built its Checkpointer, supplies the heartbeat's checkpoint fields. Every rank
+    """The worker's reports. `current_step()` reads the trainer's optimizer step; `saves`, set
+    once the trainer has built its Checkpointer, supplies the heartbeat's checkpoint fields
+    (none before that). Every rank
     heartbeats (rank 0 into heartbeat.json, the others beside it); only writer ranks append to
     metrics.jsonl, print step lines and log to the tracker."""
 
@@ -57,14 +68,14 @@ class Telemetry:
         run_dir: Path,
         dist: Dist,
         device: torch.device,
-        step: Callable[[], int],
+        current_step: Callable[[], int],
     ):
         self.cfg = cfg
         self.run_dir = run_dir
         self.dist = dist
         self.device = device
-        self.step = step
-        self.saves: Checkpointer | None = None
+        self.current_step = current_step
+        self.saves: Callable[[], SaveStatus] | None = None
         self.phase = WorkerPhase.STARTUP
         self.last: dict = {}  # the latest good step: loss, grad_norm, lr, tokens_per_s, mfu
         self.step_time_s: float | None = None
@@ -88,12 +99,12 @@ class Telemetry:
         vram = None
         if self.device.type == "cuda":
             vram = torch.cuda.max_memory_allocated(self.device)
-        saves = self.saves
+        saves = self.saves() if self.saves is not None else _NO_SAVES
         beat = Heartbeat(
             ts=now,
             phase=self.phase,
             pid=os.getpid(),
-            step=self.step(),
+            step=self.current_step(),
             total_steps=self.cfg.train.total_steps,
             loss=self.last.get("loss"),
             lr=self.last.get("lr"),
@@ -102,10 +113,10 @@ class Telemetry:
             mfu=self.last.get("mfu"),
             vram_bytes=vram,
             step_time_s=self.step_time_s,
-            checkpoint_time_s=saves.checkpoint_time_s if saves else None,
-            checkpoint_write_s=saves.checkpoint_write_s if saves else None,
-            checkpoint_in_flight_step=saves.in_flight_step if saves else None,
-            last_checkpoint_step=saves.last_checkpoint_step if saves else None,
+            checkpoint_time_s=saves.checkpoint_time_s,
+            checkpoint_write_s=saves.checkpoint_write_s,
+            checkpoint_in_flight_step=saves.in_flight_step,
+            last_checkpoint_step=saves.last_checkpoint_step,
         )
         atomic_write_json(self.run_dir / heartbeat_file(self.dist.local_rank), beat.to_dict())
 
@@ -201,7 +212,9 @@ class Telemetry:
         if self.tracker is None:
             return
         try:
-            self.tracker.log({k: v for k, v in record.items() if k != "kind"}, step=self.step())
+            self.tracker.log(
+                {k: v for k, v in record.items() if k != "kind"}, step=self.current_step()
+            )
         except Exception as e:  # a tracker outage must never kill a running job
             print(f"warning: experiment tracker failed ({e}); disabling it for this process")
             self.tracker = None

@@ -39,7 +39,7 @@ class NaNExcursion(RuntimeError):
 
 
 class StopRequested(Exception):
-    pass
+    """SIGTERM or SIGINT reached a step boundary: save, then exit 75."""
 
 
 class Trainer:
@@ -143,7 +143,7 @@ class Trainer:
             model=self.model, optimizer=self.optimizer, loader=self.loader, counters=self,
             force=self.force,
         )  # fmt: skip
-        self.telemetry.saves = self.checkpointer
+        self.telemetry.saves = self.checkpointer.status
         self.resumed_from = self.checkpointer.resumed_from = self._resume()
         self.lr_scale *= self.lr_scale_arg
         self.ddp_model = self.model
