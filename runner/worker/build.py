@@ -4,7 +4,6 @@ config, the device, the precision, the scan backend, the model and the optimizer
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from kernels.mamba3 import BackendUnavailableError, resolve_backend
 from model import Mamba3LM
 from model.lm import param_groups
 from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_config
+from runner.files import atomic_write_text
 from runner.protocol import CONFIG_FILE
 
 from .dist import Dist
@@ -30,10 +30,7 @@ def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
                 f"the config differs from the one frozen in {path} at the first launch. "
                 "Fix: relaunch with the same config, or pass --force to replace it."
             )
-    # A plain write, not runner.files' temp file: the frozen config keeps the process umask.
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(cfg.to_yaml())
-    os.replace(tmp, path)
+    atomic_write_text(path, cfg.to_yaml())
 
 
 def resolve_device(cfg: RunConfig, dist: Dist | None = None) -> torch.device:
