@@ -1,103 +1,29 @@
-"""The inputs of data preparation, read as documents: text files, folders, .jsonl, `stdlib`.
+"""The inputs of data preparation read as documents, loudly: nothing unreadable passes unseen.
 
-`resolve_inputs` turns what the user named into file lists; `Documents` yields their text in a
-deterministic order under an optional byte cap. Torch-free.
+`Documents` yields the text of every input's files in order under an optional byte cap, drops
+empty and whitespace-only documents (counted), and treats a file it cannot read or that yields
+no text as an error — or, with `skip_bad`, as a skipped file with a printed warning and a count.
+Torch-free.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
-import os
-import sysconfig
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from runner.data.inputs import Input
 from runner.data.manifest import DataError
+from runner.data.readers import BLANK_LINES, BadFile, read_file, record_text
 
-__all__ = ["Documents", "Input", "no_documents_message", "resolve_inputs"]
+__all__ = ["Documents", "no_documents_message"]
 
-_STDLIB_SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
-_SNIFF_BYTES = 8192
+_SKIP_HINT = "pass --skip-bad to skip such files with a warning"
 
 
-@dataclass
-class Input:
-    label: str  # as the user wrote it
-    kind: str  # "stdlib" | "folder" | "file" | "jsonl"
-    root: Path
-    files: list[Path]
-    documents: int = 0
-    skipped: int = 0
-
-    def describe(self) -> str:
-        skipped = f", {self.skipped} non-text skipped" if self.skipped else ""
-        if self.kind == "stdlib":
-            what = f"Python stdlib .py files under {self.root}"
-            return f"stdlib ({what}): {self.documents} of {len(self.files)} files{skipped}"
-        if self.kind == "folder":
-            return f"{self.label} (folder): {self.documents} of {len(self.files)} files{skipped}"
-        if self.kind == "jsonl":
-            return f"{self.label} (jsonl): {self.documents} documents"
-        return f"{self.label} (text file): {self.documents} document"
-
-
-def _walk_files(root: Path, skip_dir: Callable[[str], bool], exclude: Path | None) -> list[Path]:
-    """All files under root in a deterministic (sorted, depth-first) order."""
-    found = []
-    for here, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not skip_dir(d))
-        here_path = Path(here)
-        if exclude is not None and here_path.resolve() == exclude:
-            dirs[:] = []
-            continue
-        found.extend(here_path / f for f in sorted(files) if not f.startswith("."))
-    return found
-
-
-def _stdlib_files() -> tuple[Path, list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = _walk_files(root, lambda d: d in _STDLIB_SKIP_DIRS or d.startswith("."), exclude=None)
-    return root, [f for f in files if f.suffix == ".py"]
-
-
-def resolve_inputs(inputs: Sequence[str], exclude: Path) -> list[Input]:
-    if not inputs:
-        raise DataError(
-            "no inputs given: pass text files, folders, .jsonl files, or `stdlib` "
-            "(the Python standard library's sources, no download needed)"
-        )
-    resolved = []
-    for item in inputs:
-        item = str(item)
-        path = Path(item)
-        if item == "stdlib" and not path.exists():
-            root, files = _stdlib_files()
-            if not files:
-                raise DataError(
-                    f"input `stdlib`: found no .py files under {root}: this Python has no "
-                    "standard library sources; pass text files or folders instead"
-                )
-            resolved.append(Input(item, "stdlib", root, files))
-        elif path.is_dir():
-            files = _walk_files(
-                path, lambda d: d.startswith(".") or d == "__pycache__", exclude=exclude
-            )
-            if not files:
-                raise DataError(f"input folder {item} has no files: pass a folder with text")
-            resolved.append(Input(item, "folder", path, files))
-        elif path.is_file():
-            kind = "jsonl" if path.suffix == ".jsonl" else "file"
-            resolved.append(Input(item, kind, path, [path]))
-        else:
-            raise DataError(
-                f"input not found: {item}: pass existing text files, folders, .jsonl files, "
-                "or `stdlib`"
-            )
-    return resolved
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _decode(data: bytes, truncated: bool) -> str:
@@ -105,121 +31,137 @@ def _decode(data: bytes, truncated: bool) -> str:
     return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=not truncated)
 
 
-def _is_text(head: bytes) -> bool:
-    if b"\0" in head:
-        return False
-    try:
-        codecs.getincrementaldecoder("utf-8")("strict").decode(head, final=False)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 class Documents:
-    """Iterates the documents of the inputs in order, honouring max_bytes; re-iterable.
+    """Iterates (text, utf8 bytes, input index) over the inputs in order; re-iterable.
 
-    A document is one file (text files, folder members, stdlib) or one line of a .jsonl file.
-    max_bytes caps the UTF-8 bytes of document text: the document that crosses the cap is cut
-    and reading stops. Empty documents are skipped.
+    A document is a file (folder and glob members), a record (JSON Lines, JSON arrays, parquet,
+    Arrow, HF datasets), or a part of a lone text file cut at `separator` (BLANK_LINES: one or
+    more blank lines; None: the whole file). max_bytes caps the UTF-8 bytes of document text:
+    the document that crosses the cap is cut and reading stops.
     """
 
-    def __init__(self, inputs: list[Input], text_field: str, max_bytes: int | None):
+    def __init__(
+        self,
+        inputs: list[Input],
+        max_bytes: int | None,
+        separator: str | None = BLANK_LINES,
+        skip_bad: bool = False,
+        warn: Callable[[str], None] = _stderr,
+    ):
         self.inputs = inputs
-        self.text_field = text_field
         self.max_bytes = max_bytes
+        self.separator = separator
+        self.skip_bad = skip_bad
+        self.warn = warn
         self.bytes_read = 0
+        self._warned: set[str] = set()  # a BPE run reads the inputs twice, warns once
 
-    def total_bytes_hint(self) -> int:
+    def total_bytes_hint(self) -> int | None:
+        """The bytes a progress bar can count to: only plain files give an honest total."""
+        if any(i.kind == "hf" for i in self.inputs):
+            return None
         total = sum(f.stat().st_size for i in self.inputs for f in i.files)
         return total if self.max_bytes is None else min(total, self.max_bytes)
 
-    def __iter__(self) -> Iterator[tuple[str, int]]:
+    @property
+    def capped(self) -> bool:
+        return self.max_bytes is not None and self.bytes_read >= self.max_bytes
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
         self.bytes_read = 0
         for inp in self.inputs:
-            inp.documents = inp.skipped = 0
-        for inp in self.inputs:
+            inp.documents = inp.tokens = inp.empty = 0
+            inp.skipped = []
+        for index, inp in enumerate(self.inputs):
+            if self.capped:
+                return
+            if inp.kind == "hf":
+                texts = _hf_texts(inp)
+                yield from self._documents(index, inp, texts, inp.root)
+                continue
             for path in inp.files:
-                if self.max_bytes is not None and self.bytes_read >= self.max_bytes:
+                if self.capped:
                     return
-                if inp.kind == "jsonl" or (inp.kind == "folder" and path.suffix == ".jsonl"):
-                    yield from self._jsonl(inp, path)
-                else:
-                    doc = self._text_file(inp, path)
-                    if doc is not None:
-                        yield doc
+                separator = self.separator if inp.split_text else None
+                texts = read_file(path, inp.text_field, separator)
+                yield from self._documents(index, inp, texts, path)
 
-    def _budget(self) -> int | None:
-        return None if self.max_bytes is None else self.max_bytes - self.bytes_read
+    def _documents(
+        self, index: int, inp: Input, texts: Iterator[str | None], path: Path
+    ) -> Iterator[tuple[str, int, int]]:
+        found = 0
+        try:
+            for text in texts:
+                doc = self._take(inp, text)
+                if doc is not None:
+                    found += 1
+                    yield doc[0], doc[1], index
+                if self.capped:
+                    return
+        except BadFile as e:
+            self._bad(inp, e, found)
+            return
+        if found == 0:
+            reason = "yields no text (empty, or only empty, whitespace or null records)"
+            self._bad(inp, BadFile(path, reason), 0)
 
-    def _text_file(self, inp: Input, path: Path) -> tuple[str, int] | None:
-        budget = self._budget()
-        with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-            if not _is_text(head):
-                if inp.kind == "file":
-                    raise DataError(
-                        f"input {path} is not a UTF-8 text file (binary content): pass text "
-                        "files, folders, or .jsonl files"
-                    )
-                inp.skipped += 1
-                return None
-            rest = f.read() if budget is None else f.read(max(0, budget - len(head)))
-            data = head + rest
-            truncated = budget is not None and len(data) > budget
-            if truncated:
-                data = data[:budget]
-            elif budget is not None and len(data) == budget:
-                truncated = bool(f.read(1))
-        text = _decode(data, truncated)
-        nbytes = len(data)
-        self.bytes_read += nbytes
+    def _take(self, inp: Input, text: str | None) -> tuple[str, int] | None:
+        if text is None or not text.strip():
+            inp.empty += 1
+            return None
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates from \ud800-style JSON escapes
+            data = text.encode("utf-8", errors="replace")
+            text = data.decode("utf-8")
+        if self.max_bytes is not None and len(data) >= self.max_bytes - self.bytes_read:
+            data = data[: self.max_bytes - self.bytes_read]
+            text = _decode(data, truncated=True)
+        self.bytes_read += len(data)
         if not text:
             return None
         inp.documents += 1
-        return text, nbytes
+        return text, len(data)
 
-    def _jsonl(self, inp: Input, path: Path) -> Iterator[tuple[str, int]]:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}:{lineno} is not valid JSON ({e.msg}): each line of a .jsonl "
-                        f"input must be one JSON object with a {self.text_field!r} field"
-                    ) from e
-                text = record.get(self.text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(
-                        f"{path}:{lineno} has no string field {self.text_field!r} (found "
-                        f"{keys}): pass the right field name with --text-field"
-                    )
-                if not text:
-                    continue
-                try:
-                    data = text.encode("utf-8")
-                except UnicodeEncodeError:  # lone surrogates from \ud800-style JSON escapes
-                    data = text.encode("utf-8", errors="replace")
-                    text = data.decode("utf-8")
-                budget = self._budget()
-                if budget is not None and len(data) >= budget:
-                    data = data[:budget]
-                    text = _decode(data, truncated=True)
-                self.bytes_read += len(data)
-                if text:
-                    inp.documents += 1
-                    yield text, len(data)
-                if budget is not None and self.bytes_read >= self.max_bytes:
-                    return
+    def _bad(self, inp: Input, err: BadFile, found: int) -> None:
+        after = f" (after {found} documents from it)" if found else ""
+        if inp.kind == "stdlib":  # the built-in demo corpus: its empty __init__.py files
+            inp.skipped.append((str(err.path), err.reason))
+            return
+        if not self.skip_bad:
+            raise DataError(f"input file {err.message()}: fix or remove the file, or {_SKIP_HINT}")
+        inp.skipped.append((str(err.path), err.reason))
+        if str(err.path) not in self._warned:
+            self._warned.add(str(err.path))
+            self.warn(f"warning: skipping {err.path} ({err.reason}){after}")
+
+
+def _hf_texts(inp: Input) -> Iterator[str | None]:
+    """The records of a local dataset folder through `datasets.load_dataset` (the hf extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"input {inp.label} needs the optional `datasets` library, which is not installed: "
+            "pip install 'm3run[hf]' — or pass the folder's parquet/jsonl files directly, or a "
+            "folder written by save_to_disk, which need no extra"
+        ) from None
+    try:
+        loaded = datasets.load_dataset(str(inp.root), streaming=True)
+        splits = list(loaded.items()) if isinstance(loaded, dict) else [("all", loaded)]
+    # datasets raises its own error types, ValueError and FileNotFoundError for folders it
+    # cannot make a dataset of; each becomes the same message naming the folder.
+    except Exception as e:
+        raise DataError(
+            f"input {inp.label}: `datasets` cannot load {inp.root} ({type(e).__name__}: {e}): "
+            "pass a folder of data files datasets can read, or the files themselves"
+        ) from e
+    for split, ds in splits:
+        for i, record in enumerate(ds):
+            yield record_text(record, inp.text_field, f"split {split} record {i}", inp.root)
 
 
 def no_documents_message(resolved: list[Input], max_bytes: int | None) -> str:
     what = "; ".join(i.describe() for i in resolved)
     cap = f", or raise max_bytes={max_bytes}" if max_bytes is not None else ""
-    return (
-        f"the inputs hold no text documents ({what}): pass non-empty UTF-8 text files, "
-        f"folders of them, or .jsonl files{cap}"
-    )
+    return f"the inputs hold no text documents ({what}): pass inputs that have text{cap}"

@@ -1,9 +1,10 @@
-"""Offline data preparation: `prepare_data` turns text into the train/val token shards.
+"""Offline data preparation: `prepare_data` turns inputs into the train/val token shards.
 
-Documents are tokenised in this process or in a pool of spawned processes (the shard bytes do
-not depend on how many), split by a content hash, written by `ShardWriter` and published with
-their manifests (format: `runner.data.manifest`). Needs only numpy and the tokenizer libraries,
-never torch.
+Documents (`runner.data.documents`) are tokenised in this process or in a pool of spawned
+processes (the shard bytes do not depend on how many), split by a content hash or at token
+level, written by `ShardWriter` and published with their manifests (format:
+`runner.data.manifest`), which record every input with its document and token counts. Needs only
+numpy, pyarrow and the tokenizer libraries, never torch.
 """
 
 from __future__ import annotations
@@ -14,20 +15,23 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runner.data.documents import Documents, no_documents_message, resolve_inputs
+from runner.data.documents import Documents, no_documents_message
+from runner.data.inputs import Input, read_inputs_file, resolve_inputs
 from runner.data.manifest import DTYPES, FORMAT, FORMAT_VERSION, MANIFEST_NAME, SPLITS, DataError
-from runner.data.shards import ShardWriter, move_document, publish
+from runner.data.progress import Progress
+from runner.data.readers import BLANK_LINES
+from runner.data.shards import ShardWriter, move_document, move_tail, publish
 from runner.data.tokenizer import Tokenizer, parse_bpe_spec, train_bpe
 from runner.files import sha256_file
 
-__all__ = ["prepare_data"]
+__all__ = ["VAL_SPLITS", "prepare_data"]
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +39,31 @@ log = logging.getLogger(__name__)
 # keep every worker busy and memory bounded.
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 1024
+VAL_SPLITS = ("hash", "tail")
+_SPLIT_RULES = {
+    "hash": "val iff int(sha1(utf8(document))[:8], big-endian) / 2**64 < val_fraction",
+    "tail": "val = the last round(val_fraction * tokens) tokens of the stream",
+}
 
 
-def _chunks(docs: Iterable[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
-    texts: list[str] = []
-    size = 0
-    for text, nbytes in docs:
-        texts.append(text)
-        size += nbytes
-        if size >= _CHUNK_BYTES or len(texts) >= _CHUNK_DOCS:
-            yield texts, size
-            texts, size = [], 0
-    if texts:
-        yield texts, size
+@dataclass
+class _Chunk:
+    texts: list[str]
+    inputs: list[int]  # the input each document came from
+    nbytes: int
+
+
+def _chunks(docs: Iterable[tuple[str, int, int]]) -> Iterator[_Chunk]:
+    chunk = _Chunk([], [], 0)
+    for text, nbytes, index in docs:
+        chunk.texts.append(text)
+        chunk.inputs.append(index)
+        chunk.nbytes += nbytes
+        if chunk.nbytes >= _CHUNK_BYTES or len(chunk.texts) >= _CHUNK_DOCS:
+            yield chunk
+            chunk = _Chunk([], [], 0)
+    if chunk.texts:
+        yield chunk
 
 
 @dataclass
@@ -55,10 +71,12 @@ class _Encoded:
     hashes: list[int]  # first 8 bytes of sha1(document), big-endian: the split key
     lengths: np.ndarray  # tokens per document, EOS included
     tokens: np.ndarray  # the documents' tokens, each followed by EOS
+    inputs: list[int]
     nbytes: int
 
 
-def _encode_chunk(tok: Tokenizer, texts: list[str], dtype: np.dtype, nbytes: int) -> _Encoded:
+def _encode_chunk(tok: Tokenizer, chunk: _Chunk, dtype: np.dtype) -> _Encoded:
+    texts = chunk.texts
     ids = tok.encode_batch(texts)
     lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
     flat = np.empty(int(lengths.sum()), dtype=np.uint32)
@@ -73,7 +91,7 @@ def _encode_chunk(tok: Tokenizer, texts: list[str], dtype: np.dtype, nbytes: int
             f"{tok.vocab_size}: the tokenizer file is inconsistent; use another tokenizer"
         )
     hashes = [int.from_bytes(hashlib.sha1(t.encode("utf-8")).digest()[:8], "big") for t in texts]
-    return _Encoded(hashes, lengths, flat.astype(dtype), nbytes)
+    return _Encoded(hashes, lengths, flat.astype(dtype), chunk.inputs, chunk.nbytes)
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -86,18 +104,18 @@ def _init_worker(kind: str, source: str) -> None:
     _WORKER_TOKENIZER = Tokenizer.load(kind, source)
 
 
-def _encode_in_worker(texts: list[str], dtype_name: str, nbytes: int) -> _Encoded:
+def _encode_in_worker(chunk: _Chunk, dtype_name: str) -> _Encoded:
     assert _WORKER_TOKENIZER is not None, "worker initializer did not run"
-    return _encode_chunk(_WORKER_TOKENIZER, texts, DTYPES[dtype_name], nbytes)
+    return _encode_chunk(_WORKER_TOKENIZER, chunk, DTYPES[dtype_name])
 
 
 def _encode_all(
-    tok: Tokenizer, docs: Iterable[tuple[str, int]], dtype_name: str, workers: int
+    tok: Tokenizer, docs: Iterable[tuple[str, int, int]], dtype_name: str, workers: int
 ) -> Iterator[_Encoded]:
     """Encoded chunks in input order. A bounded window of in-flight chunks keeps memory flat."""
     if workers <= 1:
-        for texts, nbytes in _chunks(docs):
-            yield _encode_chunk(tok, texts, DTYPES[dtype_name], nbytes)
+        for chunk in _chunks(docs):
+            yield _encode_chunk(tok, chunk, DTYPES[dtype_name])
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -110,8 +128,8 @@ def _encode_all(
     )
     try:
         pending: deque = deque()
-        for texts, nbytes in _chunks(docs):
-            pending.append(pool.submit(_encode_in_worker, texts, dtype_name, nbytes))
+        for chunk in _chunks(docs):
+            pending.append(pool.submit(_encode_in_worker, chunk, dtype_name))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -134,56 +152,122 @@ class _Candidate:
             self.key, self.start, self.length, self.found = key, start, length, True
 
 
+def _ready_tokenizer(spec: str) -> Tokenizer | None:
+    """The named tokenizer, or None for `bpe:<n>` (trained on the inputs later)."""
+    if spec.startswith("bpe:"):
+        parse_bpe_spec(spec)
+        return None
+    if spec == "gpt2":
+        return Tokenizer.load("tiktoken", "gpt2")
+    if spec.endswith(".json") or Path(spec).is_file():
+        return Tokenizer.load("hf", str(Path(spec).resolve()))
+    raise DataError(
+        f"unknown tokenizer {spec!r}: use `gpt2`, a path to a HF tokenizer.json, "
+        "or `bpe:<vocab_size>` (e.g. bpe:8192)"
+    )
+
+
+def _tokenizer_record(spec: str, tok: Tokenizer, trained: Path | None) -> dict:
+    if trained is not None:
+        # The path is relative to the manifest's directory.
+        return {
+            "spec": spec,
+            "kind": "hf",
+            "path": "../tokenizer.json",
+            "sha256": sha256_file(trained),
+        }
+    if tok.kind == "hf":
+        return {
+            "spec": spec,
+            "kind": "hf",
+            "path": tok.source,
+            "sha256": sha256_file(Path(tok.source)),
+        }
+    return {"spec": spec, "kind": "tiktoken", "name": tok.source}
+
+
 @dataclass
-class _Progress:
-    enabled: bool
-    _bar: Any = None
-    _task: Any = None
+class _Splitter:
+    """Writes each encoded document to train or val and keeps the per-input token counts."""
 
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
+    writers: dict[str, ShardWriter]
+    val_fraction: float
+    by_hash: bool
+    inputs: list[Input]
+    # Fallbacks when a split ends up empty: the train document nearest the val threshold
+    # (smallest key) or the val document farthest below it (largest key, stored negated).
+    train_cand: _Candidate
+    val_cand: _Candidate
+
+    def add(self, chunk: _Encoded) -> None:
+        ends = np.cumsum(chunk.lengths)
+        for i, key in enumerate(chunk.hashes):
+            lo, hi = int(ends[i] - chunk.lengths[i]), int(ends[i])
+            to_val = self.by_hash and key / 2**64 < self.val_fraction
+            w = self.writers["val" if to_val else "train"]
+            if to_val:
+                self.val_cand.offer(-key, w.total_tokens, hi - lo)
+            else:
+                self.train_cand.offer(key, w.total_tokens, hi - lo)
+            w.write(chunk.tokens[lo:hi])
+            w.num_documents += 1
+            self.inputs[chunk.inputs[i]].tokens += hi - lo
+
+    def balance(self, eos_id: int, notes: list[str]) -> None:
+        """Give each split at least one document, or at token level when there is one."""
+        for w in self.writers.values():
+            w.close()
+        train, val = self.writers["train"], self.writers["val"]
+        n_docs = train.num_documents + val.num_documents
+        if self.val_fraction == 0:
+            return
+        if n_docs == 1 and val.num_documents == 1:  # the one document goes to train, cut below
+            self.writers["val"] = move_document(val, train, 0, val.total_tokens, ".re.tmp")
+        train, val = self.writers["train"], self.writers["val"]
+        if not self.by_hash or n_docs == 1:
+            n = round(self.val_fraction * train.total_tokens)
+            n = min(max(n, 1), train.total_tokens - 2)
+            if n < 1:
+                notes.append(f"val is empty: the corpus has only {train.total_tokens} tokens")
+                return
+            self.writers["train"] = move_tail(train, val, n, eos_id, ".re.tmp")
+            why = "as asked (--val-split tail)" if not self.by_hash else "there is one document"
+            notes.append(f"val is the last {n:,} tokens of the stream, a token-level split: {why}")
+        elif train.num_documents == 0:
+            self.writers["val"] = move_document(
+                val, train, self.val_cand.start, self.val_cand.length, ".re.tmp"
+            )
+            notes.append(
+                "no document hashed into train; moved one val document (the one whose "
+                "hash is farthest below the val threshold) to train"
+            )
+        elif val.num_documents == 0:
+            self.writers["train"] = move_document(
+                train, val, self.train_cand.start, self.train_cand.length, ".re.tmp"
+            )
+            notes.append(
+                "no document hashed into val; moved one train document (the one whose "
+                "hash is nearest the val threshold) to val so it is not empty"
             )
 
-            self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                transient=False,
-            )
-            self._bar.__enter__()
-        return self
 
-    def phase(self, description: str, total: int | None) -> None:
-        if self._bar is not None:
-            self._task = self._bar.add_task(description, total=total)
-
-    def done(self) -> None:
-        if self._bar is not None and self._task is not None:
-            total = self._bar.tasks[-1].total or 1
-            self._bar.update(self._task, total=total, completed=total)
-
-    def advance(self, n: int) -> None:
-        if self._bar is not None and self._task is not None:
-            self._bar.advance(self._task, n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
+def _check_arguments(
+    val_fraction: float, val_split: str, shard_tokens: int, max_bytes: int | None, workers: int
+) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} is out of range: use 0 ≤ val_fraction < 1")
+    if val_split not in VAL_SPLITS:
+        raise DataError(f"val_split={val_split!r}: use one of {', '.join(VAL_SPLITS)}")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens={shard_tokens} must be ≥ 1 (default 50_000_000)")
+    if max_bytes is not None and max_bytes < 1:
+        raise DataError(f"max_bytes={max_bytes} must be ≥ 1, or None for no cap")
+    if workers < 1:
+        raise DataError(f"workers={workers} must be ≥ 1")
 
 
 def prepare_data(
-    inputs: list[str],
+    inputs: Sequence[str],
     out_dir: str | Path,
     tokenizer: str = "gpt2",
     val_fraction: float = 0.005,
@@ -192,51 +276,51 @@ def prepare_data(
     workers: int | None = None,
     max_bytes: int | None = None,
     progress: bool = True,
+    *,
+    inputs_file: str | Path | None = None,
+    separator: str | None = BLANK_LINES,
+    val_split: str = "hash",
+    skip_bad: bool = False,
+    progress_interval_s: float = 10.0,
+    warn: Callable[[str], None] | None = None,
 ) -> dict:
     """Tokenise `inputs` into `out_dir/train` and `out_dir/val` token shards; returns a summary.
 
-    inputs: text files (one document each), folders (every UTF-8 text file below, recursively,
-      hidden entries skipped; `.jsonl` members read as jsonl), `.jsonl` files (one document per
-      line, text in `text_field`), or `stdlib` (this Python's standard library .py sources,
-      test directories and site-packages skipped) for a download-free demo corpus.
+    inputs: `LOCATION[:FIELD]` items (see `runner.data.inputs`): text files, JSON Lines
+      (.jsonl, .gz/.zst), JSON arrays, parquet and Arrow files, folders and globs of them
+      (each text file one document, hidden entries skipped), HF `save_to_disk` folders,
+      `hf:<folder>` (through `datasets`, the hf extra), or `stdlib` (this Python's standard
+      library .py sources) for a download-free demo corpus. FIELD (default `text_field`, dotted
+      for nested records) names the text of records. `inputs_file` adds a YAML list of them.
+    separator: how a lone text file is cut into documents: BLANK_LINES (one or more blank
+      lines), None (the file is one document), or a literal string.
     tokenizer: "gpt2" (tiktoken), the path of a HF tokenizer.json, or "bpe:<vocab_size>" to
       train a byte-level BPE on the inputs, saved as out_dir/tokenizer.json with an
       `<|endoftext|>` EOS.
-    val_fraction: a document goes to val when sha1(document) read as a fraction of 2**64 is
-      below it, so the split depends on content only (not order, not workers).
+    val_split "hash": a document goes to val when sha1(document) read as a fraction of 2**64 is
+      below val_fraction, so the split depends on content only (not order, not workers); a
+      corpus of one document is split at token level. "tail": val is the last val_fraction of
+      the token stream.
+    skip_bad: a file that cannot be read or yields no text is skipped with a warning (`warn`,
+      default stderr) instead of being an error.
+    progress: a bar on a terminal, else a line to stderr every progress_interval_s seconds.
     The shard bytes are identical for any `workers`. `max_bytes` caps the document text read.
     """
     started = time.monotonic()
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction={val_fraction} is out of range: use 0 ≤ val_fraction < 1")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens={shard_tokens} must be ≥ 1 (default 50_000_000)")
-    if max_bytes is not None and max_bytes < 1:
-        raise DataError(f"max_bytes={max_bytes} must be ≥ 1, or None for no cap")
     if workers is None:
         workers = min(os.cpu_count() or 1, 8)
-    if workers < 1:
-        raise DataError(f"workers={workers} must be ≥ 1")
+    _check_arguments(val_fraction, val_split, shard_tokens, max_bytes, workers)
 
     out = Path(out_dir)
-    resolved = resolve_inputs(inputs, exclude=out.resolve())
-    docs = Documents(resolved, text_field, max_bytes)
+    items: list[str | tuple[str, str | None]] = list(inputs)
+    if inputs_file is not None:
+        items += read_inputs_file(inputs_file)
+    resolved = resolve_inputs(items, text_field, exclude=out.resolve())
+    docs = Documents(resolved, max_bytes, separator, skip_bad, **({"warn": warn} if warn else {}))
     notes: list[str] = []
 
     # Load a ready-made tokenizer before touching out_dir, so a failure leaves old data intact.
-    tok: Tokenizer | None = None
-    bpe_size = None
-    if tokenizer.startswith("bpe:"):
-        bpe_size = parse_bpe_spec(tokenizer)
-    elif tokenizer == "gpt2":
-        tok = Tokenizer.load("tiktoken", "gpt2")
-    elif tokenizer.endswith(".json") or Path(tokenizer).is_file():
-        tok = Tokenizer.load("hf", str(Path(tokenizer).resolve()))
-    else:
-        raise DataError(
-            f"unknown tokenizer {tokenizer!r}: use `gpt2`, a path to a HF tokenizer.json, "
-            "or `bpe:<vocab_size>` (e.g. bpe:8192)"
-        )
+    tok = _ready_tokenizer(tokenizer)
 
     out.mkdir(parents=True, exist_ok=True)
     split_dirs = {s: out / s for s in SPLITS}
@@ -247,97 +331,61 @@ def prepare_data(
         for tmp in d.glob("*.tmp"):
             tmp.unlink()
 
-    show = progress and sys.stderr.isatty()
-    total_bytes = docs.total_bytes_hint() if show else None
-    with _Progress(show) as bar:
-        if bpe_size is not None:
+    mode = "off" if not progress else ("bar" if sys.stderr.isatty() else "lines")
+    total_bytes = docs.total_bytes_hint() if mode != "off" else None
+    trained = None
+    with Progress(mode, progress_interval_s) as bar:
+        if tok is None:
+            bpe_size = parse_bpe_spec(tokenizer)
             bar.phase(f"training bpe:{bpe_size}", total_bytes)
-            tok_path = out / "tokenizer.json"
-            train_bpe((text for text, _ in docs), bpe_size, tok_path)
+            trained = out / "tokenizer.json"
+            train_bpe((text for text, _, _ in docs), bpe_size, trained)
+            bar.advance(docs.bytes_read)
             bar.done()
             if docs.bytes_read == 0:
                 raise DataError(no_documents_message(resolved, max_bytes))
-            tok = Tokenizer.load("hf", str(tok_path))
-            tok_record = {
-                "spec": tokenizer,
-                "kind": "hf",
-                "path": "../tokenizer.json",  # relative to the manifest's directory
-                "sha256": sha256_file(tok_path),
-            }
+            tok = Tokenizer.load("hf", str(trained))
             if tok.vocab_size < bpe_size:
                 notes.append(
                     f"bpe:{bpe_size} learned only {tok.vocab_size} tokens: the corpus is small"
                 )
-        elif tok.kind == "hf":
-            tok_record = {
-                "spec": tokenizer,
-                "kind": "hf",
-                "path": tok.source,
-                "sha256": sha256_file(Path(tok.source)),
-            }
-        else:
-            tok_record = {"spec": tokenizer, "kind": "tiktoken", "name": tok.source}
+        tok_record = _tokenizer_record(tokenizer, tok, trained)
         log.info("tokenizer %s: vocab %d, eos %d", tokenizer, tok.vocab_size, tok.eos_id)
 
         dtype_name = "uint16" if tok.vocab_size <= 65535 else "uint32"
         dtype = DTYPES[dtype_name]
         writers = {s: ShardWriter(split_dirs[s], dtype, shard_tokens, ".tmp") for s in SPLITS}
-        # Fallbacks when a split ends up empty: the train document nearest the val threshold
-        # (smallest key) or the val document farthest below it (largest key, stored negated).
-        train_cand, val_cand = _Candidate(), _Candidate()
+        splitter = _Splitter(
+            writers, val_fraction, val_split == "hash", resolved, _Candidate(), _Candidate()
+        )
         bar.phase("tokenising", total_bytes)
         try:
             for chunk in _encode_all(tok, docs, dtype_name, workers):
-                ends = np.cumsum(chunk.lengths)
-                for i, key in enumerate(chunk.hashes):
-                    lo, hi = int(ends[i] - chunk.lengths[i]), int(ends[i])
-                    split = "val" if key / 2**64 < val_fraction else "train"
-                    w = writers[split]
-                    if split == "train":
-                        train_cand.offer(key, w.total_tokens, hi - lo)
-                    else:
-                        val_cand.offer(-key, w.total_tokens, hi - lo)
-                    w.write(chunk.tokens[lo:hi])
-                    w.num_documents += 1
-                bar.advance(chunk.nbytes)
-            for w in writers.values():
-                w.close()
-            n_docs = writers["train"].num_documents + writers["val"].num_documents
-            if n_docs == 0:
+                splitter.add(chunk)
+                bar.advance(chunk.nbytes, len(chunk.hashes), int(chunk.tokens.size))
+            bar.done()
+            if sum(w.num_documents for w in writers.values()) == 0:
                 raise DataError(no_documents_message(resolved, max_bytes))
-
-            train, val = writers["train"], writers["val"]
-            if train.num_documents == 0:
-                writers["val"] = move_document(
-                    val, train, val_cand.start, val_cand.length, ".re.tmp"
-                )
-                notes.append(
-                    "no document hashed into train; moved one val document (the one whose "
-                    "hash is farthest below the val threshold) to train"
-                )
-            elif val_fraction > 0 and val.num_documents == 0 and n_docs >= 2:
-                writers["train"] = move_document(
-                    train, val, train_cand.start, train_cand.length, ".re.tmp"
-                )
-                notes.append(
-                    "no document hashed into val; moved one train document (the one whose "
-                    "hash is nearest the val threshold) to val so it is not empty"
-                )
-            if writers["val"].num_documents == 0 and val_fraction > 0:
-                notes.append("val is empty: there is only one document, kept for train")
+            splitter.balance(tok.eos_id, notes)
         except BaseException:
-            for w in writers.values():
+            for w in splitter.writers.values():
                 w.discard()
             raise
+        writers = splitter.writers
 
+    skipped = [(f, r) for i in resolved for f, r in i.skipped if i.kind != "stdlib"]
+    if skipped:
+        notes.append(f"skipped {len(skipped)} unreadable or empty files (--skip-bad)")
     source = {
-        "inputs": [str(i) for i in inputs],
+        "inputs": [i.record() for i in resolved],
         "description": "; ".join(i.describe() for i in resolved),
         "input_bytes": docs.bytes_read,
         "max_bytes": max_bytes,
         "val_fraction": val_fraction,
+        "val_split": val_split,
+        "separator": separator,
         "text_field": text_field,
-        "split_rule": "val iff int(sha1(utf8(document))[:8], big-endian) / 2**64 < val_fraction",
+        "split_rule": _SPLIT_RULES[val_split],
     }
     summary: dict[str, Any] = {
         "out_dir": str(out),
@@ -348,6 +396,8 @@ def prepare_data(
         "documents": 0,
         "input_bytes": docs.bytes_read,
         "source": source["description"],
+        "inputs": source["inputs"],
+        "skipped": skipped,
     }
     for split in SPLITS:
         w = writers[split]

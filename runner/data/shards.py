@@ -17,7 +17,7 @@ import numpy as np
 from runner.data.manifest import MANIFEST_NAME
 from runner.files import atomic_write_text
 
-__all__ = ["ShardWriter", "move_document", "publish"]
+__all__ = ["ShardWriter", "move_document", "move_tail", "publish"]
 
 
 class ShardWriter:
@@ -98,6 +98,35 @@ def move_document(
             for piece in _read_range(src.shards, src.dtype, piece_start, piece_stop):
                 rewritten.write(piece)
     rewritten.num_documents = src.num_documents - 1
+    rewritten.close()
+    src.discard()
+    return rewritten
+
+
+def move_tail(src: ShardWriter, dst: ShardWriter, n: int, eos_id: int, suffix: str) -> ShardWriter:
+    """Move the last n tokens of src into dst (a token-level split); returns src rewritten.
+
+    The tail ends with EOS (every stream does). When the cut falls inside a document, src's
+    part of it gets an EOS of its own, so both streams stay sequences of whole documents.
+    """
+    start = src.total_tokens - n
+    tail_documents = 0
+    for piece in _read_range(src.shards, src.dtype, start, src.total_tokens):
+        dst.write(piece)
+        tail_documents += int(np.count_nonzero(piece == eos_id))
+    dst.num_documents += tail_documents
+    dst.close()
+    rewritten = ShardWriter(src.directory, src.dtype, src.shard_tokens, suffix)
+    for piece_start in range(0, start, src.shard_tokens):
+        for piece in _read_range(
+            src.shards, src.dtype, piece_start, min(start, piece_start + src.shard_tokens)
+        ):
+            rewritten.write(piece)
+    before_cut = next(_read_range(src.shards, src.dtype, start - 1, start))
+    cut_inside = int(before_cut[0]) != eos_id
+    if cut_inside:
+        rewritten.write(np.array([eos_id]))
+    rewritten.num_documents = src.num_documents - tail_documents + int(cut_inside)
     rewritten.close()
     src.discard()
     return rewritten
