@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from runner.files import open_append
+from runner.files import lock_holder, open_append
 
 # psutil derives create times from clock ticks since boot; two reads can differ by rounding.
 _CREATE_TIME_TOLERANCE_S = 0.5
@@ -51,31 +51,49 @@ def process_matches(pid: Any, recorded_create_time: Any) -> bool:
     return abs(actual - recorded_create_time) <= _CREATE_TIME_TOLERANCE_S
 
 
+def owns_lock(pid: Any, recorded_create_time: Any, lock_path: Path) -> bool:
+    """True only if `pid` is alive, was born at `recorded_create_time` (which must be
+    recorded), and holds the flock on `lock_path` (m3run's supervisor.lock or worker.lock of
+    that run dir). A pid read from a file is signalled only when this holds: a forged or stale
+    state.json never gets an unrelated process killed."""
+    if not isinstance(recorded_create_time, (int, float)) or isinstance(recorded_create_time, bool):
+        return False
+    return process_matches(pid, recorded_create_time) and lock_holder(lock_path) == pid
+
+
+def signal_group_of(pid: int, sig: int) -> None:
+    """Signal the process group `pid` belongs to (the session its supervisor started it in),
+    or `pid` alone if that group is this process's own."""
+    try:
+        pgid = os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return
+    if pgid == os.getpgrp():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+        return
+    signal_group(pgid, sig)
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Signal the process group `pid` leads; a group already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
 
-def kill_group(pid: int) -> None:
-    """SIGKILL the group `pid` leads, then the pid itself (in case it left its group)."""
-    signal_group(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-
-
 def terminate_then_kill(
     pid: int, grace_s: float, alive: Callable[[], bool], poll_s: float = 0.1
 ) -> bool:
-    """SIGTERM the group `pid` leads, wait up to `grace_s` while `alive()`, then SIGKILL it.
-    Returns True if it exited within the grace."""
-    signal_group(pid, signal.SIGTERM)
+    """SIGTERM the group `pid` belongs to, wait up to `grace_s` while `alive()`, then SIGKILL
+    it if it is still alive. Returns True if it exited within the grace."""
+    signal_group_of(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and alive():
         time.sleep(poll_s)
-    exited = not alive()
-    kill_group(pid)
-    return exited
+    if not alive():
+        return True
+    signal_group_of(pid, signal.SIGKILL)
+    return False
 
 
 def spawn_logged(

@@ -36,6 +36,9 @@ HEARTBEAT_FILE = "heartbeat.json"
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "supervisor.lock"
+# flock held by the worker (local rank 0) for its lifetime: one writer per run dir, and the way
+# a relaunch finds an orphaned worker (never by a pid read from state.json).
+WORKER_LOCK_FILE = "worker.lock"
 CHECKPOINTS_DIR = "checkpoints"
 WORKER_LOG = "worker.log"
 SUPERVISOR_LOG = "supervisor.log"
@@ -57,6 +60,7 @@ RUN_DIR_FILES = (
     METRICS_FILE,
     EVENTS_FILE,
     LOCK_FILE,
+    WORKER_LOCK_FILE,
     WORKER_LOG,
     SUPERVISOR_LOG,
     SMOKE_FILE,
@@ -96,6 +100,9 @@ FAULT_ENV = "M3RUN_FAULT"
 # first worker it starts only, so a chaos test can make one worker misbehave and check that the
 # restarted one heals the run; "all" (the default) passes it to every worker.
 FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
+# Set by the supervisor for the worker it starts: its own pid, so the worker can tell its
+# supervisor's supervisor.lock from another supervisor's (then it refuses to write).
+SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"
 
 # ----------------------------------------------------------------------------- phases
 

@@ -17,18 +17,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.files import append_jsonl, atomic_write_json, read_json
-from runner.procs import kill_group, process_matches
+from runner.files import append_jsonl, atomic_write_json, lock_holder, read_json
+from runner.procs import owns_lock, process_matches, signal_group_of
 from runner.protocol import (
     ACTIVE_PHASES,
     EVENTS_FILE,
     HEARTBEAT_FILE,
+    LOCK_FILE,
     METRICS_FILE,
     STATE_FILE,
     STOP_REQUEST_FILE,
     SUPERVISOR_LOG,
     TERMINAL_PHASES,
+    WORKER_LOCK_FILE,
     WORKER_LOG,
+    StopRequest,
     SupervisorPhase,
 )
 
@@ -89,18 +92,29 @@ def _names(runs_root: Path) -> str:
 # --------------------------------------------------------------------------- processes
 
 
-def supervisor_alive(state: dict | None) -> bool:
+def supervisor_alive(state: dict | None, run_dir: Path | None = None) -> bool:
+    """The supervisor state.json names is alive: its pid was born at the recorded create time
+    and, given the run dir, holds that run dir's supervisor.lock (what `stop` requires before
+    it signals; status and the liveness check read the pid and create time only)."""
     if not state:
         return False
-    return process_matches(state.get("supervisor_pid"), state.get("supervisor_create_time"))
+    pid, born = state.get("supervisor_pid"), state.get("supervisor_create_time")
+    if run_dir is None:
+        return process_matches(pid, born)
+    return owns_lock(pid, born, Path(run_dir) / LOCK_FILE)
 
 
-def effective_phase(state: dict | None) -> str | None:
+def orphan_worker(run_dir: Path) -> int | None:
+    """The pid holding the run dir's worker.lock (a worker, alive), else None."""
+    return lock_holder(Path(run_dir) / WORKER_LOCK_FILE)
+
+
+def effective_phase(state: dict | None, run_dir: Path | None = None) -> str | None:
     """state.json's phase, or DEAD when it claims an active phase but the supervisor is gone."""
     if not state:
         return None
     phase = state.get("phase")
-    if phase in ACTIVE_PHASES and not supervisor_alive(state):
+    if phase in ACTIVE_PHASES and not supervisor_alive(state, run_dir):
         return SupervisorPhase.DEAD
     return phase
 
@@ -371,13 +385,16 @@ def stop_run(
     poll_s: float = 0.2,
     margin_s: float = STOP_WAIT_MARGIN_S,
 ) -> int:
-    """`m3run stop`: SIGTERM the run's supervisor (its pid checked against its recorded create
-    time first), which has the worker save and exit, then wait until state.json says the run
-    ended. `grace_s` caps the worker's time to save (default: the run's stop_grace_s). With
-    `force`, a run still not stopped after the grace (+ margin) is SIGKILLed, supervisor and
-    worker. Returns 0 once the run is stopped, 1 if it was not running or did not stop."""
+    """`m3run stop`: SIGTERM the run's supervisor, which has the worker save and exit, then wait
+    until state.json says the run ended. The supervisor is signalled only when the pid
+    state.json names was born at the recorded time and holds the run dir's supervisor.lock.
+    `grace_s` caps the worker's time to save (default: the run's stop_grace_s). A stop while
+    another is under way waits for the same save. With `force`, a run still not stopped after
+    the grace (+ margin) is SIGKILLed, supervisor and worker (found by their locks). Returns 0
+    once the run is stopped, 1 if it was not running or did not stop."""
+    run_dir = Path(run_dir)
     state = read_state(run_dir)
-    phase = effective_phase(state)
+    phase = effective_phase(state, run_dir)
     if phase is None:
         say(f"{run_dir} is not running: no supervisor has run there (no {STATE_FILE})")
         return 1
@@ -385,75 +402,94 @@ def stop_run(
         say(f"{run_dir} is not running: phase {phase} ({state.get('reason') or 'no reason'})")
         return 1
     if phase == SupervisorPhase.DEAD:
-        worker = state.get("worker_pid")
-        if force and process_matches(worker, state.get("worker_create_time")):
-            kill_group(worker)
-            _mark_killed(
-                run_dir,
-                state,
-                "supervisor was gone; its orphaned worker was killed by `m3run stop --force`",
-            )
-            say(f"{run_dir}: the supervisor was gone; killed its orphaned worker pid {worker}")
-            return 0
-        orphan = (
-            f"; its worker pid {worker} is still running (`m3run stop --force` kills it)"
-            if process_matches(worker, state.get("worker_create_time"))
-            else ""
-        )
-        say(
-            f"{run_dir} is not running: supervisor pid {state.get('supervisor_pid')} is gone "
-            f"but {STATE_FILE} says {state.get('phase')!r} (it was killed){orphan}"
-        )
-        return 1
+        return _stop_orphan(run_dir, state, force, say)
 
     pid = state["supervisor_pid"]
     run_grace = state.get("stop_grace_s")
     grace = grace_s if grace_s is not None else (run_grace if run_grace is not None else 120.0)
-    atomic_write_json(
-        Path(run_dir) / STOP_REQUEST_FILE,
-        {"grace_s": grace, "time": time.time(), "pid": os.getpid()},
-    )
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        say(f"{run_dir} is not running: supervisor pid {pid} exited just now")
-        return 1
-    say(
-        f"stopping {run_dir}: sent SIGTERM to supervisor pid {pid}; the worker saves a "
-        f"checkpoint and exits (grace {grace:g}s)"
-    )
+    request = StopRequest.from_dict(read_json(run_dir / STOP_REQUEST_FILE))
+    if phase == SupervisorPhase.STOPPING and request is not None:
+        # Another stop is under way: its save is what this one waits for too (a second
+        # request must never cut it short).
+        grace = request.grace_s
+        say(
+            f"{run_dir} is already stopping (requested "
+            f"{time.strftime('%H:%M:%S', time.localtime(request.time))}, grace {grace:g}s): "
+            "waiting for the same save"
+        )
+    else:
+        atomic_write_json(
+            run_dir / STOP_REQUEST_FILE,
+            StopRequest(grace_s=grace, time=time.time(), pid=os.getpid()).to_dict(),
+        )
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            say(f"{run_dir} is not running: supervisor pid {pid} exited just now")
+            return 1
+        say(
+            f"stopping {run_dir}: sent SIGTERM to supervisor pid {pid}; the worker saves a "
+            f"checkpoint and exits (grace {grace:g}s)"
+        )
     # After the worker's save, the supervisor may wait for the checkpoint mirror.
     flush = state.get("mirror_flush_s") or 0.0
     deadline = time.monotonic() + grace + flush + margin_s
     while time.monotonic() < deadline:
         state = read_state(run_dir) or {}
-        phase = effective_phase(state)
+        phase = effective_phase(state, run_dir)
         if phase in TERMINAL_PHASES:
             say(f"{run_dir}: {phase} ({state.get('reason') or 'no reason'})")
             return 0
         if phase == SupervisorPhase.DEAD:
             say(
                 f"{run_dir}: supervisor pid {pid} exited without recording a final phase; see "
-                f"{Path(run_dir) / SUPERVISOR_LOG}"
+                f"{run_dir / SUPERVISOR_LOG}"
             )
             return 1
         time.sleep(poll_s)
     state = read_state(run_dir) or {}
     if not force:
         say(
-            f"{run_dir} is still {effective_phase(state)} after {grace + flush + margin_s:g}s; "
-            "wait longer, or rerun with --force to kill the supervisor and the worker (progress "
-            f"since checkpoint {state.get('last_checkpoint_step')} is lost)"
+            f"{run_dir} is still {effective_phase(state, run_dir)} after "
+            f"{grace + flush + margin_s:g}s; wait longer, or rerun with --force to kill the "
+            "supervisor and the worker (progress since checkpoint "
+            f"{state.get('last_checkpoint_step')} is lost)"
         )
         return 1
-    worker = state.get("worker_pid")
-    if process_matches(worker, state.get("worker_create_time")):
-        kill_group(worker)
-    if process_matches(pid, state.get("supervisor_create_time")):
+    worker = orphan_worker(run_dir)
+    if worker is not None:
+        signal_group_of(worker, signal.SIGKILL)
+    if supervisor_alive(state, run_dir):
         os.kill(pid, signal.SIGKILL)
     _mark_killed(run_dir, state, f"killed by `m3run stop --force` after {grace:g}s + margin")
     say(f"{run_dir}: killed (last complete checkpoint step {state.get('last_checkpoint_step')})")
     return 0
+
+
+def _stop_orphan(run_dir: Path, state: dict, force: bool, say: Callable[[str], None]) -> int:
+    """The supervisor is gone; its worker may still hold worker.lock and train unsupervised."""
+    worker = orphan_worker(run_dir)
+    recorded = state.get("supervisor_pid")
+    if force and worker is not None:
+        signal_group_of(worker, signal.SIGKILL)
+        _mark_killed(
+            run_dir,
+            state,
+            "supervisor was gone; its orphaned worker was killed by `m3run stop --force`",
+        )
+        say(f"{run_dir}: the supervisor was gone; killed its orphaned worker pid {worker}")
+        return 0
+    orphan = (
+        f"; worker pid {worker} still holds {WORKER_LOCK_FILE} (`m3run stop --force` kills it)"
+        if worker is not None
+        else ""
+    )
+    say(
+        f"{run_dir} is not running: supervisor pid {recorded} is gone but {STATE_FILE} says "
+        f"{state.get('phase')!r} (no process born at its recorded start time holds "
+        f"{LOCK_FILE}: it was killed, or {STATE_FILE} is stale); nothing was signalled{orphan}"
+    )
+    return 1
 
 
 def _mark_killed(run_dir: Path, state: dict, reason: str) -> None:

@@ -1,6 +1,8 @@
 """Stop requests: a user's SIGTERM/SIGINT/SIGHUP or `m3run stop`, and cloud preemption notices.
-The first request has the worker save and exit 75 within the stop grace; a second user request
-kills it at once; a preemption notice upgrades a user stop (the node is going away)."""
+The first request has the worker save and exit 75 within the stop grace. A repeated SIGTERM or
+`m3run stop` waits for that same save (a checkpoint written halfway is worth nothing); only a
+second Ctrl-C (SIGINT) or the grace running out kills the worker. A preemption notice upgrades
+a user stop (the node is going away)."""
 
 from __future__ import annotations
 
@@ -36,18 +38,23 @@ class StopControl:
         self.kind: str | None = None  # USER | PREEMPTED
         self.detail = ""
         self.force = False
+        self.repeats = 0  # repeated requests that wait for the first one's save
         self.grace_used = stop_grace_s
 
     @property
     def requested(self) -> bool:
         return self.kind is not None
 
-    def request(self, kind: str, detail: str) -> None:
+    def request(self, kind: str, detail: str, *, force_on_repeat: bool = False) -> None:
+        """Record a request. `force_on_repeat`: a repeat of this one kills the worker now (a
+        second Ctrl-C); any other repeat waits for the save under way."""
         with self._lock:
             if self.kind is None:
                 self.kind, self.detail = kind, detail
-            elif kind == USER:
+            elif kind == USER and force_on_repeat:
                 self.force = True
+            elif kind == USER:
+                self.repeats += 1
             if kind == PREEMPTED:
                 self.kind, self.detail = kind, detail
 

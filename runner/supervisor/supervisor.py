@@ -56,6 +56,7 @@ from runner.protocol import (
     FAULT_SCOPE_ENV,
     FINAL_WORKER_PHASES,
     STATE_FILE,
+    SUPERVISOR_PID_ENV,
     WORKER_LOG,
     SupervisorPhase,
     WorkerPhase,
@@ -137,7 +138,7 @@ class Supervisor:
         old_handlers = self._install_signal_handlers() if self.handle_signals else {}
         try:
             self._write_state(force=True)
-            reap_stale_worker(self._prev_state, self.s.stop_grace_s, self.log)
+            reap_stale_worker(self.run_dir, self.s.stop_grace_s, self.log)
             self.log.emit(
                 "launch",
                 reason=f"supervisor pid {os.getpid()} owns {self.run_dir}",
@@ -184,7 +185,13 @@ class Supervisor:
             return {}
 
         def handler(signum: int, _frame: Any) -> None:
-            self.request_stop("user", f"received {signal.Signals(signum).name}")
+            # A second Ctrl-C means "now"; a second SIGTERM (`m3run stop`, a container
+            # runtime) waits for the save the first one started.
+            self.stops.request(
+                "user",
+                f"received {signal.Signals(signum).name}",
+                force_on_repeat=signum == signal.SIGINT,
+            )
 
         return {
             s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -302,6 +309,7 @@ class Supervisor:
         argv = self.worker_argv(resume, self.lr_scale)
         env = dict(self.env)
         env["PYTHONUNBUFFERED"] = "1"
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         if self._attempt > 1 and env.get(FAULT_SCOPE_ENV) == "first":
             env.pop(FAULT_ENV, None)
         worker = self.worker = WorkerProcess(self.run_dir, argv, env, self._attempt)
@@ -336,6 +344,7 @@ class Supervisor:
         kill_at: float | None = None  # monotonic deadline for SIGKILL after a SIGTERM
         hang: str | None = None
         stop_sent = False
+        repeats_seen = 0
         next_scan = 0.0
         while True:
             code = worker.wait(self.s.poll_s)
@@ -355,10 +364,18 @@ class Supervisor:
                 self.log.emit("stop_requested", reason=stops.detail, kind=stops.kind, grace_s=grace)
                 worker.terminate()
                 kill_at = min(kill_at, now + grace) if kill_at is not None else now + grace
+            if stops.repeats > repeats_seen:
+                repeats_seen = stops.repeats
+                self.log.emit(
+                    "stop_repeated",
+                    reason="another stop request: waiting for the save the first one "
+                    f"started ({max(0.0, (kill_at or now) - now):.0f}s of grace left; a second "
+                    "Ctrl-C kills the worker now)",
+                )
             if stops.force and kill_at is not None and kill_at > now:
                 self.log.emit(
                     "force_kill",
-                    reason="second stop request: killing the worker now",
+                    reason="second Ctrl-C: killing the worker now",
                     level="warning",
                 )
                 kill_at = now

@@ -16,12 +16,11 @@ from typing import Any
 
 import psutil
 
-from runner.files import read_json
+from runner.files import lock_holder, read_json
 from runner.procs import (
     LogTail,
     command_line,
     create_time,
-    process_matches,
     signal_group,
     spawn_logged,
     terminate_then_kill,
@@ -33,6 +32,7 @@ from runner.protocol import (
     EXIT_OK,
     EXIT_STOPPED,
     WORKER_EXIT_GLOB,
+    WORKER_LOCK_FILE,
     WORKER_LOG,
     WorkerExit,
 )
@@ -113,20 +113,22 @@ class Outcome:
     killed_after_grace: bool = False
 
 
-def reap_stale_worker(prev_state: dict, grace_s: float, log: EventLog) -> None:
+def reap_stale_worker(run_dir: Path, grace_s: float, log: EventLog) -> None:
     """A worker left by a supervisor that was SIGKILLed keeps training unsupervised; stop it
-    (save, then kill after the grace) before starting another on the same run dir."""
-    pid, born = prev_state.get("worker_pid"), prev_state.get("worker_create_time")
-    if not process_matches(pid, born):
+    (save, then kill after the grace) before starting another on the same run dir. It is
+    found by the worker.lock it holds, never by a pid read from state.json."""
+    lock = run_dir / WORKER_LOCK_FILE
+    pid = lock_holder(lock)
+    if pid is None:
         return
     log.emit(
         "stale_worker",
         level="warning",
-        reason=f"worker pid {pid} of a previous supervisor is still running; "
-        "stopping it before launching a new one",
+        reason=f"worker pid {pid} of a previous supervisor still holds {lock}; stopping it "
+        "before launching a new one",
         pid=pid,
     )
-    terminate_then_kill(pid, grace_s, lambda: process_matches(pid, born))
+    terminate_then_kill(pid, grace_s, alive=lambda: lock_holder(lock) == pid)
 
 
 class WorkerProcess:

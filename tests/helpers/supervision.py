@@ -102,3 +102,33 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+LOCK_HOLDER = (
+    "import sys, time\n"
+    "from runner.files import PidLock\n"
+    "assert PidLock(sys.argv[1]).acquire() is None\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def hold_lock(lock_path: Path) -> subprocess.Popen:
+    """A process in a session of its own that holds `lock_path` (as a worker holds worker.lock)
+    until killed; returns once it holds it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(lock_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def unrelated_process() -> subprocess.Popen:
+    """A process that is nothing of m3run's, to write into a forged state.json."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True
+    )

@@ -1,4 +1,5 @@
-"""Runs a Supervisor over the stand-in worker in its own process (real signal handling).
+"""Runs a Supervisor over the stand-in worker in its own process (real signal handling),
+holding the run dir's supervisor.lock as `m3run launch` does.
 
 `python supervisor_driver.py RUN_DIR SETTINGS_JSON STANDIN_PATH`; exits with the supervisor's
 code, and fails if the supervisor imported torch.
@@ -8,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from runner.supervisor.launch import RunLock
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.supervisor import Supervisor
 
@@ -18,7 +20,10 @@ def main() -> None:
     def argv(resume: str, lr: float) -> list[str]:
         return [sys.executable, standin, str(run_dir), resume, repr(lr)]
 
+    lock = RunLock(run_dir)
+    lock.acquire()
     code = Supervisor(run_dir, SupervisorSettings(**settings), argv, console=True).run()
+    lock.release()
     assert "torch" not in sys.modules, "the supervisor imported torch"
     sys.exit(code)
 

@@ -23,9 +23,11 @@ from runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
     HEARTBEAT_FILE,
+    LOCK_FILE,
     METRICS_FILE,
     STATE_FILE,
     SUPERVISOR_LOG,
+    WORKER_LOCK_FILE,
     WORKER_LOG,
     SupervisorPhase,
 )
@@ -288,18 +290,34 @@ def test_stop_grace_caps_the_workers_save_time(tmp_path):
 
 
 def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
-    # A "supervisor" that ignores SIGTERM, and its "worker".
-    stubborn = [
-        sys.executable,
-        "-c",
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
-    ]
-    sup = subprocess.Popen(stubborn)
-    worker = subprocess.Popen(stubborn, start_new_session=True)
+    # A "supervisor" that ignores SIGTERM, and its "worker", each holding its lock.
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    stubborn = (
+        "import signal, sys, time\n"
+        "from runner.files import PidLock\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "assert PidLock(sys.argv[1]).acquire() is None\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+
+    def start(lock: str, **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", stubborn, str(run_dir / lock)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            **kw,
+        )
+        assert proc.stdout.readline().strip() == "locked"
+        return proc
+
+    sup = start(LOCK_FILE)
+    worker = start(WORKER_LOCK_FILE, start_new_session=True)
     try:
-        time.sleep(0.3)
         run_dir = write_run(
-            tmp_path / "r",
+            run_dir,
             supervisor_pid=sup.pid,
             supervisor_create_time=psutil.Process(sup.pid).create_time(),
             worker_pid=worker.pid,
@@ -421,6 +439,7 @@ def test_launch_bad_and_changed_config_exit_78(tmp_path):
     run_dir = tmp_path / "r"
     result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=-1")
     assert result.exit_code == EXIT_CONFIG and "train.lr" in result.output
+    run_dir.mkdir()  # the refused launch left nothing behind
     (run_dir / "config.yaml").write_text(DEMO.read_text())
     result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=0.01")
     assert result.exit_code == EXIT_CONFIG

@@ -21,10 +21,12 @@ from helpers.supervision import (
     argv_for,
     attempts,
     events_named,
+    hold_lock,
     make_run,
     settings,
     spawn_driver,
     supervise,
+    unrelated_process,
     wait_for,
 )
 
@@ -42,6 +44,7 @@ from runner.protocol import (
     FAULT_ENV,
     FAULT_SCOPE_ENV,
     STATE_FILE,
+    WORKER_LOCK_FILE,
     WORKER_LOG,
     Heartbeat,
     SupervisorPhase,
@@ -516,27 +519,39 @@ def test_second_lock_is_refused_with_the_holders_pid(tmp_path):
 
 
 def test_stale_worker_of_a_killed_supervisor_is_stopped_first(tmp_path, standin):
+    # The orphan is found by the worker.lock it holds: state.json is torn here.
     run_dir = make_run(tmp_path, [{"steps": 1}])
-    orphan = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
-    )
+    orphan = hold_lock(run_dir / WORKER_LOCK_FILE)
     try:
-        (run_dir / STATE_FILE).write_text(
-            json.dumps(
-                {
-                    "phase": "running",
-                    "supervisor_pid": 999999,
-                    "worker_pid": orphan.pid,
-                    "worker_create_time": psutil.Process(orphan.pid).create_time(),
-                }
-            )
-        )
+        (run_dir / STATE_FILE).write_text('{"phase": "running", "worker_pid": ')
         code, _, events = supervise(run_dir, standin)
         assert code == EXIT_OK
         assert orphan.wait(timeout=5) == -signal.SIGTERM
         assert events_named(events, "stale_worker")[0]["pid"] == orphan.pid
     finally:
         orphan.kill()
+
+
+def test_an_unrelated_pid_in_state_json_is_never_signalled(tmp_path, standin):
+    run_dir = make_run(tmp_path, [{"steps": 1}])
+    bystander = unrelated_process()
+    try:
+        (run_dir / STATE_FILE).write_text(
+            json.dumps(
+                {
+                    "phase": "running",
+                    "supervisor_pid": 999999,
+                    "worker_pid": bystander.pid,
+                    "worker_create_time": psutil.Process(bystander.pid).create_time(),
+                }
+            )
+        )
+        code, _, events = supervise(run_dir, standin)
+        assert code == EXIT_OK
+        assert bystander.poll() is None, "the supervisor signalled a process that is not its worker"
+        assert not events_named(events, "stale_worker")
+    finally:
+        bystander.kill()
 
 
 # --------------------------------------------------------------------------- config freezing
