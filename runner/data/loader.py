@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from runner.data.manifest import DTYPES, FORMAT_VERSION, DataError, is_int, load_manifest
+from runner.data.verify import verify_split
 
 if TYPE_CHECKING:
     import torch
@@ -171,6 +172,7 @@ class BatchLoader:
         world_size: int = 1,
         prefetch: int = 2,
         pin_memory: bool = False,
+        verify_cache: Path | None = None,
     ):
         for name, value, lo in (
             ("micro_batch_size", micro_batch_size, 1),
@@ -183,6 +185,8 @@ class BatchLoader:
         if not is_int(rank) or not 0 <= rank < world_size:
             raise DataError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
         self.windows = TokenWindows(split_dir, seq_len)
+        # Content and token ids of this rank's share of the shards, before any batch is read.
+        verify_split(self.windows.split_dir, self.windows.manifest, rank, world_size, verify_cache)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.seed = seed
@@ -350,6 +354,7 @@ def eval_batches(
         raise DataError(f"n_batches={n_batches!r} must be an integer ≥ 1")
     windows = TokenWindows(split_dir, seq_len)
     try:
+        verify_split(windows.split_dir, windows.manifest)
         n = len(windows)
         if n < micro_batch_size:
             raise DataError(

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +17,7 @@ from helpers.tokens import stream as read_stream
 from runner.data.loader import BatchLoader, TokenWindows, check_vocab, eval_batches
 from runner.data.manifest import DataError, load_manifest
 from runner.data.prepare import prepare_data
+from runner.data.verify import verify_split
 
 SHARD_TOKENS = 2000
 
@@ -250,3 +257,63 @@ def test_pin_memory_on_cuda(train_dir):
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
     pinned.close()
     plain.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# shards verified before training
+# ---------------------------------------------------------------------------------------------
+
+
+def _copy_train(prepared, tmp_path: Path) -> Path:
+    d = tmp_path / "data" / "train"
+    shutil.copytree(prepared[0] / "train", d)
+    return d
+
+
+def test_a_zeroed_shard_of_the_right_size_is_refused_naming_it(prepared, tmp_path):
+    d = _copy_train(prepared, tmp_path)
+    shard = d / "shard_00001.bin"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    load_manifest(d)  # the size matches: only the content check notices
+    with pytest.raises(DataError) as e:
+        BatchLoader(d, SEQ, MBS, seed=0, verify_cache=tmp_path / "cache")
+    assert f"shard {shard} fails its sha256 check" in str(e.value)
+    assert "prepare-data" in str(e.value)
+    with pytest.raises(DataError, match="fails its sha256 check"):
+        eval_batches(d, SEQ, MBS, n_batches=1)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_shard(prepared, tmp_path):
+    d = _copy_train(prepared, tmp_path)
+    shard = d / "shard_00000.bin"
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[7] = 300  # vocab_size is 300: one past the last id
+    shard.write_bytes(ids.tobytes())
+    m = json.loads((d / "manifest.json").read_text())
+    m["shards"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError) as e:
+        BatchLoader(d, SEQ, MBS, seed=0, verify_cache=tmp_path / "cache")
+    assert f"shard {shard} holds token id 300, outside the vocabulary" in str(e.value)
+    assert "vocab_size 300" in str(e.value)
+
+
+def test_verification_reads_each_shard_once_until_it_changes(prepared, tmp_path):
+    d = _copy_train(prepared, tmp_path)
+    cache = tmp_path / "cache"
+    n_shards = len(load_manifest(d)["shards"])
+    assert verify_split(d, load_manifest(d), cache_dir=cache) == n_shards
+    assert verify_split(d, load_manifest(d), cache_dir=cache) == 0, "a relaunch reads nothing"
+    # Two ranks split the shards between them.
+    assert verify_split(d, load_manifest(d), 0, 2, tmp_path / "c2") == (n_shards + 1) // 2
+    assert verify_split(d, load_manifest(d), 1, 2, tmp_path / "c2") == n_shards // 2
+    # Same size, same mtime: the cached result stands (that is what keeps relaunches fast)...
+    shard = d / "shard_00000.bin"
+    st = shard.stat()
+    shard.write_bytes(bytes(st.st_size))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert verify_split(d, load_manifest(d), cache_dir=cache) == 0
+    # ...and any new write moves the mtime, so the shard is read again and refused.
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(DataError, match=r"shard_00000\.bin fails its sha256 check"):
+        verify_split(d, load_manifest(d), cache_dir=cache)
