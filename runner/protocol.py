@@ -144,7 +144,8 @@ TERMINAL_PHASES = frozenset(
 class WorkerPhase(StrEnum):
     """heartbeat.json "phase"."""
 
-    STARTUP = "startup"  # building the model and optimizer, loading a checkpoint
+    STARTUP = "startup"  # imports, building the model, optimizer and data loader
+    LOADING = "loading"  # reading the checkpoint it resumes from
     COMPILING = "compiling"  # the first steps under torch.compile / Triton autotuning
     TRAINING = "training"
     CHECKPOINTING = "checkpointing"  # waiting for a checkpoint write

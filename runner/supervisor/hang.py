@@ -2,7 +2,14 @@
 check over every local rank's heartbeat, and the VRAM watch.
 
 The allowance a heartbeat may age before the worker counts as hung:
-* before the worker trains (phase startup/compiling, or no heartbeat yet): ``startup_timeout_s``;
+* starting (no heartbeat yet, or phase startup: imports, building the model, loading a
+  checkpoint): ``startup_timeout_s`` until a startup has been seen in this run dir, then
+  max(``min_startup_timeout_s``, ``heartbeat_safety_factor`` × the longest startup seen), so a
+  worker stuck before training (a stopped process, a hung filesystem) is caught in a minute,
+  not in fifteen. The longest startup is kept in state.json across relaunches;
+* loading a checkpoint, compiling (the first steps under torch.compile and Triton
+  autotuning): ``startup_timeout_s``, since how long they take depends on the checkpoint's
+  size, the disk and warm caches, not on what earlier startups took;
 * training: ``heartbeat_safety_factor`` × the longest of the reported step time, the longest
   gap observed after a training heartbeat and the heartbeat interval (or the fixed
   ``heartbeat_timeout_s``); the first step gets the startup allowance (compilation);
@@ -29,9 +36,10 @@ from runner.protocol import (
 from runner.supervisor.events import EventLog
 from runner.supervisor.settings import SupervisorSettings
 
-# Worker phases that precede training: the startup allowance applies (None: no heartbeat or
-# a phase this supervisor does not know).
-STARTUP_PHASES = frozenset({None, WorkerPhase.STARTUP, WorkerPhase.COMPILING})
+# Worker phases that precede training (None: no heartbeat yet, or a phase this supervisor does
+# not know); the first two are calibrated from observed startups.
+STARTING_PHASES = frozenset({None, WorkerPhase.STARTUP})
+STARTUP_PHASES = STARTING_PHASES | {WorkerPhase.LOADING, WorkerPhase.COMPILING}
 SAVE_PHASES = frozenset({WorkerPhase.CHECKPOINTING, WorkerPhase.STOPPING})
 
 
@@ -49,33 +57,56 @@ class HangDetector:
     """Heartbeat bookkeeping for the worker being watched. The calibration (longest observed
     gap per phase) lasts the supervisor's lifetime; `new_worker` forgets the last heartbeat."""
 
-    def __init__(self, run_dir: Path, settings: SupervisorSettings):
+    def __init__(
+        self, run_dir: Path, settings: SupervisorSettings, longest_startup_s: float | None = None
+    ):
         self.run_dir = run_dir
         self.s = settings
         self._observed: dict[WorkerPhase | None, float] = {}
+        # The longest time a worker of this run dir took from its start to leaving phase
+        # startup (earlier supervisors' included, through state.json).
+        self.longest_startup_s = longest_startup_s
         self.last: Heartbeat | None = None
         self._spawn_wall = 0.0
+        self._started = False
+        self._before: dict[str, float] = {}
 
     def new_worker(self, spawn_wall: float) -> None:
         self._spawn_wall = spawn_wall
         self.last = None
+        self._started = False
+        # What the files say now was written by an earlier worker, however recently.
+        self._before = {
+            path.name: hb.ts
+            for path in self._files()
+            if (hb := Heartbeat.from_dict(read_json(path))) is not None
+        }
 
-    def _fresh(self, data: dict | None) -> Heartbeat | None:
-        """The record if this worker wrote it (a stale one from its predecessor is ignored)."""
-        hb = Heartbeat.from_dict(data)
+    def _files(self) -> list[Path]:
+        return [self.run_dir / HEARTBEAT_FILE, *sorted(self.run_dir.glob(RANK_HEARTBEAT_GLOB))]
+
+    def _fresh(self, path: Path) -> Heartbeat | None:
+        """The record in `path` if the current worker wrote it."""
+        hb = Heartbeat.from_dict(read_json(path))
         if hb is None or hb.ts < self._spawn_wall - 1.0:
+            return None
+        if hb.ts <= self._before.get(path.name, float("-inf")):
             return None
         return hb
 
     def read(self) -> Heartbeat | None:
         """Local rank 0's heartbeat, if the current worker wrote it."""
-        return self._fresh(read_json(self.run_dir / HEARTBEAT_FILE))
+        return self._fresh(self.run_dir / HEARTBEAT_FILE)
 
     def observe(self, hb: Heartbeat) -> bool:
         """Take in a heartbeat; False if it is the one seen last."""
         prev = self.last
         if prev is not None and hb.ts == prev.ts:
             return False
+        if not self._started and hb.phase not in STARTING_PHASES:
+            self._started = True
+            took = max(0.0, hb.ts - self._spawn_wall)
+            self.longest_startup_s = max(self.longest_startup_s or 0.0, took)
         if prev is not None:
             gap = hb.ts - prev.ts
             # A step right after startup/compile belongs to the startup allowance.
@@ -88,6 +119,9 @@ class HangDetector:
         """Seconds the current heartbeat may age before the worker counts as hung."""
         s = self.s
         phase = hb.phase if hb else None
+        if phase in STARTING_PHASES and self.longest_startup_s is not None:
+            calibrated = s.heartbeat_safety_factor * self.longest_startup_s
+            return min(s.startup_timeout_s, max(s.min_startup_timeout_s, calibrated))
         if phase in STARTUP_PHASES:
             return s.startup_timeout_s
         if phase in FINAL_WORKER_PHASES:  # done: it only has to exit
@@ -116,8 +150,8 @@ class HangDetector:
         (protocol.heartbeat_file), is older than its allowance."""
         now = time.time()
         beats = [(HEARTBEAT_FILE, hb, allowance)]
-        for path in sorted(self.run_dir.glob(RANK_HEARTBEAT_GLOB)):
-            other = self._fresh(read_json(path))
+        for path in self._files()[1:]:
+            other = self._fresh(path)
             if other is not None:
                 beats.append((path.name, other, self.allowance(other)))
         for name, beat, allow in beats:

@@ -28,9 +28,10 @@ class SupervisorSettings:
       .keep_last, .mirror_flush_s): the object-storage mirror the supervisor keeps up to date
       (None: no mirror), how many checkpoints it keeps there, and how long it waits at the end
       of the run for the newest checkpoint to reach it;
-    * ``min_heartbeat_timeout_s``, ``poll_s``: not in the config. A floor under the calibrated
-      hang allowance (scheduler jitter, page-cache flushes and GC pauses must never look like a
-      hang) and the watch loop's poll period;
+    * ``min_heartbeat_timeout_s``, ``min_startup_timeout_s``, ``poll_s``: not in the config.
+      Floors under the calibrated hang allowances of a training and of a starting worker
+      (scheduler jitter, page-cache flushes and GC pauses must never look like a hang; see
+      runner.supervisor.hang) and the watch loop's poll period;
     * ``gpu_release_timeout_s``, ``health_timeout_s``: how long to wait for a dead worker's GPU
       memory to be released before a relaunch, and for the NVML probe.
     """
@@ -55,6 +56,7 @@ class SupervisorSettings:
     mirror_keep_last: int = _default(CheckpointConfig, "keep_last")
     mirror_flush_s: float = _default(CheckpointConfig, "mirror_flush_s")
     min_heartbeat_timeout_s: float = 30.0
+    min_startup_timeout_s: float = 60.0
     poll_s: float = 0.2
     gpu_release_timeout_s: float = 60.0
     health_timeout_s: float = 30.0

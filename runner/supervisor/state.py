@@ -48,6 +48,7 @@ class StateFile:
             "updated_at": now,
             "last_checkpoint_step": None,
             "peak_vram_bytes": prev.get("peak_vram_bytes"),
+            "longest_startup_s": prev.get("longest_startup_s"),
             "heartbeat_timeout_s": settings.startup_timeout_s,
             "stop_grace_s": settings.stop_grace_s,
             "mirror_flush_s": settings.mirror_flush_s if settings.mirror_url else 0.0,

@@ -113,7 +113,10 @@ class Supervisor:
 
         prev = read_json(self.run_dir / STATE_FILE) or {}
         self._prev_state = prev
-        self.hang = HangDetector(self.run_dir, settings)
+        longest = prev.get("longest_startup_s")
+        self.hang = HangDetector(
+            self.run_dir, settings, longest if isinstance(longest, (int, float)) else None
+        )
         self.vram = VramWatch(settings, self.log, prev.get("peak_vram_bytes"))
         self.gpu = GpuWatch(gpu, settings, self.log, self.vram) if gpu is not None else None
         self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
@@ -229,6 +232,7 @@ class Supervisor:
 
     def _write_state(self, force: bool = False, **changes: Any) -> None:
         self.state["peak_vram_bytes"] = self.vram.peak
+        self.state["longest_startup_s"] = self.hang.longest_startup_s
         self.state_file.write(force, **changes)
 
     def _end(

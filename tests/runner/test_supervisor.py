@@ -754,3 +754,45 @@ def test_supervisor_settings_defaults_match_the_config_schema():
     assert fields["mirror_keep_last"] == ck["keep_last"].default
     assert fields["mirror_flush_s"] == ck["mirror_flush_s"].default
     assert fields["mirror_url"] == ck["mirror_url"].default
+
+
+def test_startup_hang_is_caught_by_the_calibrated_startup_allowance(tmp_path, standin):
+    # The first worker starts in well under a second, then crashes; the second never gets past
+    # startup (a stopped process). It is taken for hung after a few times the observed
+    # startup, not after the full startup_timeout_s.
+    run_dir = make_run(tmp_path, [{"steps": 3, "exit": 1}, {"no_heartbeat": True}, {"steps": 2}])
+    t0 = time.monotonic()
+    code, state, events = supervise(
+        run_dir,
+        standin,
+        startup_timeout_s=60.0,
+        min_startup_timeout_s=0.5,
+        heartbeat_safety_factor=3.0,
+    )
+    assert code == EXIT_OK
+    assert time.monotonic() - t0 < 30, "the startup hang waited out startup_timeout_s"
+    (hang,) = events_named(events, "hang")
+    assert hang["allowance_s"] < 10 and "no heartbeat yet" in hang["reason"]
+    assert [r["kind"] for r in state["restarts"]] == ["crash", "hang"]
+    assert 0 < state["longest_startup_s"] < hang["allowance_s"]
+
+
+def test_longest_startup_carries_over_to_the_next_supervisor(tmp_path, standin):
+    # The relaunch's worker hangs before its first heartbeat: calibrated from the first run.
+    run_dir = make_run(tmp_path, [{"steps": 2}, {"no_heartbeat": True}, {"steps": 1}])
+    _, first, _ = supervise(run_dir, standin)
+    assert isinstance(first["longest_startup_s"], float)
+    code, _, events = supervise(
+        run_dir, standin, startup_timeout_s=60.0, min_startup_timeout_s=0.5, resume="none"
+    )
+    assert code == EXIT_OK
+    assert events_named(events, "hang")[0]["allowance_s"] < 10
+
+
+def test_loading_and_compiling_keep_the_full_startup_allowance(tmp_path):
+    calibrated = settings(startup_timeout_s=600.0, min_startup_timeout_s=0.5)
+    hang = HangDetector(tmp_path, calibrated, longest_startup_s=1.0)
+    assert hang.allowance(None) == 5.0  # max(min_startup_timeout_s, 5 × 1.0 s observed)
+    assert hang.allowance(_hb(phase="startup")) < 600.0
+    assert hang.allowance(_hb(phase="loading")) == 600.0
+    assert hang.allowance(_hb(phase="compiling")) == 600.0
