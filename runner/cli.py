@@ -476,7 +476,8 @@ def checkpoints(
     run: Annotated[str | None, typer.Argument(help=RUN_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """List a run's checkpoints with completeness, verifying every sha256."""
+    """List a run's checkpoints with completeness, verifying every sha256. Exit 1 when there
+    are checkpoints and none of them is complete; torn leftovers are listed, not fatal."""
     from runner.checkpoint.layout import format_checkpoint_table, list_checkpoints
 
     infos = list_checkpoints(_run_dir(run), verify=True)
@@ -486,7 +487,7 @@ def checkpoints(
         typer.echo(json.dumps(rows, indent=2))
     else:
         typer.echo(format_checkpoint_table(infos) if infos else "no checkpoints")
-    raise typer.Exit(0 if all(i.complete for i in infos) else 1)
+    raise typer.Exit(0 if not infos or any(i.complete for i in infos) else 1)
 
 
 @app.command(epilog="Exit codes: 0 every check passed or was skipped, 78 a check failed.")
@@ -501,7 +502,7 @@ def smoke(
 ) -> None:
     """Preflight smoke test: numbered checks from CUDA/bf16 to peak memory."""
     from runner.config import ConfigError, load_config
-    from runner.smoke import run_smoke
+    from runner.worker.smoke import run_smoke
 
     try:
         cfg = load_config(config, overrides or [])

@@ -34,6 +34,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -72,6 +73,21 @@ class _Section(BaseModel):
     # frozen: a validated config is a record (its hash stays true); use apply_overrides or
     # model_copy(update=...) to derive another. allow_inf_nan=False: `lr: .inf` is a typo.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads True as 1 for a number field, and YAML reads yes/no/on/off as
+        # booleans: `micro_batch_size: yes` must not become 1.
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = get_args(annotation) or (annotation,)
+            if bool not in kinds and any(k in (int, float) for k in kinds):
+                raise ValueError(
+                    f"must be a number, got the boolean {value!r} (YAML reads yes/no/on/off "
+                    "as booleans): write a number"
+                )
+        return value
 
 
 class TrainConfig(_Section):

@@ -21,10 +21,13 @@ from runner.files import append_jsonl, atomic_write_json, lock_holder, read_json
 from runner.procs import owns_lock, process_matches, signal_group_of
 from runner.protocol import (
     ACTIVE_PHASES,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
     EVENTS_FILE,
     HEARTBEAT_FILE,
     LOCK_FILE,
     METRICS_FILE,
+    RUN_DIR_FILES,
     STATE_FILE,
     STOP_REQUEST_FILE,
     SUPERVISOR_LOG,
@@ -66,10 +69,10 @@ def resolve_run(run: str | os.PathLike | None, runs_root: Path = RUNS_ROOT) -> P
         return max(candidates, key=lambda p: (p / STATE_FILE).stat().st_mtime)
     path = Path(run)
     if path.is_dir():
-        return path
+        return _checked_run_dir(path)
     named = runs_root / str(run)
     if named.is_dir():
-        return named
+        return _checked_run_dir(named)
     # `runs_root / "/abs"` is "/abs" again: name the second place only when it differs.
     where = (
         f"{path} is not a directory"
@@ -80,6 +83,20 @@ def resolve_run(run: str | os.PathLike | None, runs_root: Path = RUNS_ROOT) -> P
         f"run {str(run)!r} not found: {where}; pass a run directory path or one of the names "
         f"under ./runs/ ({_names(runs_root)})"
     )
+
+
+def _checked_run_dir(path: Path) -> Path:
+    """`path`, unless it is a directory with entries none of which is m3run's (`/etc`)."""
+    try:
+        entries = {e.name for e in os.scandir(path)}
+    except OSError as e:
+        raise RunNotFoundError(f"cannot read the run directory {path}: {e}") from None
+    if entries and not entries & {*RUN_DIR_FILES, CHECKPOINTS_DIR}:
+        raise RunNotFoundError(
+            f"{path} is not a run directory: it has none of {STATE_FILE}, {CONFIG_FILE}, "
+            f"{CHECKPOINTS_DIR}/; pass a run directory (runs/<name>) or a name under ./runs/"
+        )
+    return path
 
 
 def _names(runs_root: Path) -> str:
@@ -124,6 +141,24 @@ def effective_phase(state: dict | None, run_dir: Path | None = None) -> str | No
 
 def read_state(run_dir: Path) -> dict | None:
     return read_json(Path(run_dir) / STATE_FILE)
+
+
+def state_problem(run_dir: Path) -> str | None:
+    """Why state.json exists but cannot be read (None when it is fine or absent)."""
+    path = Path(run_dir) / STATE_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{path} is unreadable ({e})"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"{path} is not valid JSON ({e}); it was damaged or written by something else"
+    if not isinstance(data, dict):
+        return f"{path} holds a JSON {type(data).__name__}, not an object"
+    return None
 
 
 def read_heartbeat(run_dir: Path) -> dict | None:
@@ -199,6 +234,7 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     worker_alive = process_matches(worker_pid, state.get("worker_create_time"))
     status = {
         "run_dir": str(run_dir),
+        "state_problem": state_problem(run_dir),
         "phase": effective_phase(state) if state else None,
         "recorded_phase": state.get("phase"),
         "reason": state.get("reason"),
@@ -321,7 +357,7 @@ def format_status(st: dict) -> str:
     total = st["total_steps"] if st["total_steps"] is not None else "-"
     lines = [
         f"run        {st['run_dir']}",
-        f"phase      {st['phase'] or 'never launched'}"
+        f"phase      {st['phase'] or st.get('state_problem') or 'never launched'}"
         + (f"  ({st['reason']})" if st.get("reason") else ""),
         f"step       {step}/{total}   ETA {format_duration(st['eta_s'])}",
         f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "

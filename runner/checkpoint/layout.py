@@ -103,7 +103,8 @@ def remove_leftovers(root: Path) -> None:
     dir: nothing else can be writing here while this process saves."""
     for entry in os.scandir(root):
         if entry.name.startswith((TMP_PREFIX, DEL_PREFIX)):
-            log.info("removing stale checkpoint leftover %s", entry.path)
+            # A warning, so it reaches worker.log: a user file named `.tmp-*` is removed too.
+            log.warning("removing %s, left by a checkpoint write that was interrupted", entry.path)
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
             else:

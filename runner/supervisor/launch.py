@@ -96,7 +96,7 @@ class LaunchOptions:
 def check_resume(value: str) -> str:
     """--resume: latest, none or a step number."""
     value = str(value).strip()
-    if value in ("latest", "none") or (value.isdigit()):
+    if value in ("latest", "none") or (value.isascii() and value.isdigit()):
         return value
     raise LaunchError(
         f"--resume must be latest, none or a step number, got {value!r} (fix: "
@@ -166,6 +166,18 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     return cfg, new_hash
 
 
+def _check_path_text(run_dir: Path) -> None:
+    """The run dir's path is recorded in state.json and events: it must be valid UTF-8."""
+    try:
+        str(run_dir.absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LaunchError(
+            f"run dir {str(run_dir)!r} is not a valid UTF-8 path (m3run records it in "
+            f"{STATE_FILE}); fix: rename it, or launch into another --run-dir",
+            EXIT_CONFIG,
+        ) from None
+
+
 def launch(opts: LaunchOptions) -> int:
     """Take the run dir's lock, freeze the config and supervise the run in this process.
     Returns the supervisor's exit code; refusals print their reason to stderr. A launch refused
@@ -173,6 +185,7 @@ def launch(opts: LaunchOptions) -> int:
     created = not opts.run_dir.exists()
     try:
         resume = check_resume(opts.resume)
+        _check_path_text(opts.run_dir)
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         refuse_symlinks(opts.run_dir, RUN_DIR_FILES, (RANK_HEARTBEAT_GLOB, WORKER_EXIT_GLOB))
         lock = RunLock(opts.run_dir)

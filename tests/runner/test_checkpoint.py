@@ -5,6 +5,7 @@ Everything here touches real files with real fsync; the crash test SIGKILLs a re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -332,6 +333,16 @@ def test_find_step_errors_list_the_complete_steps(tmp_path: Path) -> None:
         find_step(tmp_path, 300)
     with pytest.raises(CheckpointError, match=r"run directory .*absent does not exist"):
         find_step(tmp_path / "absent", 100)
+
+
+def test_removing_leftovers_is_logged(tmp_path: Path, caplog) -> None:
+    _save(tmp_path, 1)
+    leftover = tmp_path / "checkpoints" / ".tmp-my-notes.txt"
+    leftover.write_text("a user file that happens to match .tmp-*")
+    with caplog.at_level(logging.WARNING, logger="runner.checkpoint.layout"):
+        _save(tmp_path, 2)
+    assert not leftover.exists()
+    assert any(str(leftover) in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_stale_tmp_and_del_dirs_are_ignored_and_cleaned_by_next_save(tmp_path: Path) -> None:

@@ -495,3 +495,55 @@ def test_health_one_shot_can_tolerate_a_training_run_on_the_gpu(tmp_path, monkey
     monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
     assert invoke("health").exit_code == 69  # what a launch would see: the GPU is taken
     assert invoke("health", "--allow-processes").exit_code == 0
+
+
+# --------------------------------------------------------------------------- odd input
+
+
+def test_resume_with_a_non_ascii_digit_is_a_usage_error(tmp_path):
+    result = invoke("launch", DEMO, "--run-dir", tmp_path / "r", "--resume", "²")
+    assert result.exit_code == 2, result.output
+    assert "--resume must be latest, none or a step number" in result.output
+
+
+def test_a_run_dir_path_that_is_not_utf8_is_refused(tmp_path):
+    run_dir = Path(os.fsdecode(bytes(tmp_path) + b"/run-\xff"))
+    result = invoke("launch", DEMO, "--run-dir", run_dir)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "not a valid UTF-8 path" in result.output
+    assert not os.path.exists(run_dir)
+
+
+def test_status_and_checkpoints_of_a_directory_that_is_not_a_run(tmp_path):
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir()
+    (elsewhere / "passwd").write_text("root:x:0:0\n")
+    for command in ("status", "checkpoints"):
+        result = invoke(command, elsewhere)
+        assert result.exit_code != 0, (command, result.output)
+        assert "is not a run directory" in result.output, (command, result.output)
+
+
+def test_status_names_an_unreadable_state_file(tmp_path):
+    run_dir = write_run(tmp_path / "r")
+    (run_dir / STATE_FILE).write_text('{"phase": "runn')
+    result = invoke("status", run_dir, "--no-gpu")
+    assert "not valid JSON" in result.output and "never launched" not in result.output
+
+
+def test_an_empty_step_directory_does_not_fail_checkpoints_for_good(tmp_path):
+    from runner.checkpoint.io import save_checkpoint
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    save_checkpoint(run_dir, 4, {"w": torch_zeros()}, {"state": {}, "param_groups": []}, {})
+    (run_dir / "checkpoints" / "step_99999999").mkdir()
+    result = invoke("checkpoints", run_dir)
+    assert result.exit_code == 0, result.output
+    assert "99999999" in result.output and "torn" in result.output
+
+
+def torch_zeros():
+    import torch
+
+    return torch.zeros(4)

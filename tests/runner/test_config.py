@@ -421,3 +421,9 @@ def test_warnings_flag_likely_mistakes():
 def test_importing_the_config_does_not_import_torch():
     code = "import runner.config, sys; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("key", ["train.micro_batch_size", "train.lr", "checkpoint.keep_last"])
+def test_a_boolean_is_not_a_number(key):
+    with pytest.raises(ConfigError, match=rf"{key}: must be a number, got the boolean True"):
+        load_config(DEMO, [f"{key}=yes"])
