@@ -37,7 +37,7 @@ def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
         return f"it needs a CUDA device, the inputs are on {torch.device(device).type}{hint}"
     if not torch.cuda.is_available():
         return f"CUDA is not available{hint}"
-    from .triton_siso import TRITON_IMPORT_ERROR  # imports triton, if it is there
+    from .triton_common import TRITON_IMPORT_ERROR  # imports triton, if it is there
 
     if TRITON_IMPORT_ERROR is not None:
         return f"{TRITON_IMPORT_ERROR}{hint}"
@@ -49,7 +49,7 @@ def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
 
 def triton_shape_error(v: Tensor, n: int, chunk_size: int) -> str | None:
     """Why the Triton kernel cannot take these shapes/dtypes (its tile caps), None when it can."""
-    from .triton_siso import shape_error
+    from .triton_common import shape_error
 
     return shape_error(v, n, chunk_size)
 

@@ -1,0 +1,143 @@
+"""Choose the Triton scan's launch configurations on this GPU and write them as the launch table.
+
+    python bench/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
+                              [--chunk 64 ...] [--dtype bf16] [--out kernels/mamba3/launch_table.py]
+
+One forward+backward runs with every launch recorded (and executed); then each kernel is timed
+alone, on the recorded arguments, under each candidate configuration (num_warps, num_stages,
+ptxas maxnreg, the forward's p block), and the fastest is kept. The result is merged into the
+table file under this GPU's architecture (``sm90`` …) and the tile-shape key, so a worker reads
+it at launch and never autotunes. The table is checked in; tests/kernels compiles every entry
+for sm_80 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import pprint
+from pathlib import Path
+
+import torch
+
+from kernels.mamba3 import mamba3_siso, triton_siso
+from kernels.mamba3 import triton_common as tc
+
+C = tc.LaunchConfig
+CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
+    "fwd": [C(4, 1), C(4, 2), C(4, 3), C(8, 2)],
+    "bwd_prep": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
+    "bwd_main": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
+    "bwd_post": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
+    "bwd_angle": [C(2, 1), C(4, 1), C(4, 2)],
+}  # fmt: skip
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def record(x: dict, chunk: int) -> list:
+    """Every launch of one forward+backward, executed with the defaults and kept for re-timing."""
+    launches = []
+
+    def rec(name, kern, grid, args, ce, cfg):
+        kern[grid](*args, **ce, **cfg.launch_kwargs())
+        launches.append((name, kern, grid, args, ce))
+
+    leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
+    # Run at exactly this chunk with the defaults, whatever the table says now.
+    plan = tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS))
+    saved = triton_siso.plan_for
+    triton_siso.plan_for = lambda *args: plan
+    tc.set_recorder(rec)
+    try:
+        y = mamba3_siso(**leaves, chunk_size=chunk, backend="triton")
+        y.backward(torch.randn_like(y))
+    finally:
+        tc.set_recorder(None)
+        triton_siso.plan_for = saved
+    torch.cuda.synchronize()
+    return launches
+
+
+def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
+    """Time each kernel under each candidate at this chunk; returns the sum of the best times
+    (ms) and {kernel: best config as a dict}."""
+    import triton.testing
+
+    best, total = {}, 0.0
+    for name, kern, grid, args, ce in record(x, chunk):
+        times = []
+        for cfg in CANDIDATES[name]:
+            if name == "fwd" and cfg.bv:
+                bv = min(cfg.bv, ce["BP"])
+                ce_, grid_ = dict(ce, BV=bv), (triton.cdiv(ce["BP"], bv), *grid[1:])
+            else:
+                ce_, grid_ = ce, grid
+            try:
+
+                def call(kern=kern, args=args, ce_=ce_, grid_=grid_, cfg=cfg):
+                    kern[grid_](*args, **ce_, **cfg.launch_kwargs())
+
+                ms = triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
+            except Exception as exc:  # a config that does not compile or launch here
+                log(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            times.append((ms, cfg))
+            log(f"  {name:9} {cfg.as_dict()}: {ms * 1e3:8.1f} us")
+        ms, cfg = min(times, key=lambda mc: mc[0])
+        log(f"{name}: best {cfg.as_dict()} {ms * 1e3:.1f} us")
+        best[name] = cfg.as_dict()
+        total += ms
+    return total, best
+
+
+def write_table(path: Path, arch: str, key: str, entry: dict) -> None:
+    """Merge one (arch, key) entry into the table module, keeping its docstring."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    doc = ast.get_docstring(tree) or ""
+    table = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "TABLE":
+            table = ast.literal_eval(node.value)
+    table.setdefault(arch, {})[key] = entry
+    body = pprint.pformat(table, width=96, sort_dicts=True)
+    path.write_text(f'"""{doc}\n"""\n\nTABLE: dict[str, dict[str, dict[str, dict]]] = {body}\n')
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("b", 16), ("t", 2048), ("h", 32), ("p", 64), ("n", 64), ("s", 16),
+                          ("g", 1)):  # fmt: skip
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32], help="chunks to try")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
+    a = ap.parse_args()
+
+    from bench_scan_gpu import make_inputs
+
+    x = make_inputs(a.b, a.t, a.h, a.p, a.n, a.s, a.g)
+    dtype = _DTYPES[a.dtype]
+    for key in ("q", "k", "v", "z"):
+        x[key] = x[key].to(dtype)
+    arch = tc.arch_key(x["v"].device)
+    print(f"tuning on {torch.cuda.get_device_name()} ({arch}), b{a.b} t{a.t} h{a.h} p{a.p} "
+          f"n{a.n} s{a.s} g{a.g} {a.dtype}")  # fmt: skip
+    results = {}
+    for chunk in a.chunk:
+        print(f"\nchunk {chunk}")
+        results[chunk] = tune(x, chunk)
+        print(f"chunk {chunk}: {results[chunk][0]:.3f} ms of kernels in all")
+    chunk = min(results, key=lambda c: results[c][0])
+    entry = {"chunk": chunk, **results[chunk][1]}
+    # The kernels' chunk does not change the result beyond rounding: every caller chunk size
+    # of this shape runs at the fastest one.
+    for caller in tc.CHUNK_SIZES:
+        key = tc.shape_key(tc.Tiles.of(a.p, a.n, caller), dtype)
+        write_table(a.out, arch, key, entry)
+    print(f"wrote {arch} p{a.p} n{a.n} {a.dtype}: chunk {chunk} {entry} to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""What the Triton forward and backward of the Mamba-3 SISO scan share: the one guarded import of
+Triton, the tile caps, the launch configurations (a checked-in table per GPU architecture, read at
+launch) and the jit helpers both directions call.
+
+Nothing here launches a kernel. ``triton_fwd`` and ``triton_bwd`` import from this module only;
+``triton_siso`` composes them into the autograd Function.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+try:  # Triton is optional: CPU machines import this module without it.
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR: str | None = f"triton is not importable ({exc})"
+else:
+    TRITON_IMPORT_ERROR = None
+
+# Tile caps: a chunk's (BT × p) and (BT × n) tiles and the (p × n) state live in registers.
+CHUNK_SIZES = (16, 32, 64)
+MAX_HEADDIM = 64  # p
+MAX_DSTATE = 64  # n
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """True under the Triton interpreter (TRITON_INTERPRET=1), where kernels run on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def shape_error(v: Tensor, n: int, chunk_size: int) -> str | None:
+    """Why the Triton kernel cannot take these shapes or dtypes (None when it can)."""
+    p = v.shape[-1]
+    hint = '; use backend="pytorch"'
+    if chunk_size not in CHUNK_SIZES:
+        return f"the Triton scan takes chunk_size in {CHUNK_SIZES}, got {chunk_size}{hint}"
+    if p > MAX_HEADDIM:
+        return f"the Triton scan caps the head dim p at {MAX_HEADDIM}, got p={p}{hint}"
+    if n > MAX_DSTATE:
+        return f"the Triton scan caps the state size n at {MAX_DSTATE}, got n={n}{hint}"
+    if v.dtype not in DTYPES:
+        return f"the Triton scan takes v in {DTYPES}, got {v.dtype}{hint}"
+    return None
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Compile-time tile sizes of one call: chunk BT, head dim BP, state BN = 2·BN2 (pairs)."""
+
+    BT: int
+    BP: int
+    BN2: int
+
+    @classmethod
+    def of(cls, p: int, n: int, chunk_size: int) -> Tiles:
+        return cls(chunk_size, max(16, next_pow2(p)), max(8, next_pow2((n + 1) // 2)))
+
+    @property
+    def BN(self) -> int:
+        return 2 * self.BN2
+
+
+# --- launch configurations -------------------------------------------------------------------
+
+KERNELS = ("fwd", "bwd_prep", "bwd_main", "bwd_post", "bwd_angle")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
+    .maxnreg; None leaves it to the compiler) and, for the forward, the p block (0: all of p)."""
+
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None
+    bv: int = 0
+
+    def launch_kwargs(self) -> dict:
+        kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            kw["maxnreg"] = self.maxnreg
+        return kw
+
+    def as_dict(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
+
+
+# Used where the table has no entry for the GPU architecture and shape: fits every supported
+# architecture (sm_80 and newer) at every tile size, found by ptxas without spills on sm_80.
+DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
+    "fwd": LaunchConfig(num_warps=4, num_stages=2),
+    "bwd_prep": LaunchConfig(num_warps=4, num_stages=2),
+    "bwd_main": LaunchConfig(num_warps=4, num_stages=1),
+    "bwd_post": LaunchConfig(num_warps=4, num_stages=2),
+    "bwd_angle": LaunchConfig(num_warps=4, num_stages=2),
+}
+
+
+def shape_key(tiles: Tiles, dtype: torch.dtype) -> str:
+    """The launch table's key of a call: tile sizes and the dot dtype (fp32 tiles take twice the
+    registers)."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return f"c{tiles.BT}-p{tiles.BP}-n{tiles.BN}-{name}"
+
+
+def arch_key(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+_fallback_logged: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs: the chunk the kernels use (the result does not depend on it beyond
+    rounding, so the table may pick another than the caller's) and each kernel's launch."""
+
+    chunk: int
+    configs: dict[str, LaunchConfig]
+
+
+def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
+    """The tuned plan for this GPU architecture and shape from the checked-in table
+    (bench/tune_scan.py writes it), else the caller's chunk and the safe defaults, logged once.
+    The interpreter and CPU tensors always take the defaults."""
+    if interpreting() or device.type != "cuda":
+        return Plan(chunk_size, dict(DEFAULT_CONFIGS))
+    from .launch_table import TABLE
+
+    arch, key = arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
+    entry = TABLE.get(arch, {}).get(key)
+    if entry is None:
+        if (arch, key) not in _fallback_logged:
+            _fallback_logged.add((arch, key))
+            log.info(
+                "mamba3 scan: no tuned launch plan for %s %s in kernels/mamba3/launch_table.py; "
+                "using the defaults (run bench/tune_scan.py on this GPU to add one)",
+                arch,
+                key,
+            )
+        return Plan(chunk_size, dict(DEFAULT_CONFIGS))
+    configs = {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
+               for name in KERNELS}  # fmt: skip
+    return Plan(int(entry.get("chunk", chunk_size)), configs)
+
+
+# --- jit helpers shared by the forward and the backward --------------------------------------
+
+if triton is not None:
+    PI = tl.constexpr(math.pi)
+    TWO_PI = tl.constexpr(2.0 * math.pi)
+    LOG2E_C = tl.constexpr(LOG2E)
+
+    if interpreting():  # the interpreter has no libdevice fast paths
+
+        @triton.jit
+        def cos_sin(x):
+            """cos x, sin x (exact in the interpreter)."""
+            return tl.cos(x), tl.sin(x)
+
+    else:
+        from triton.language.extra import libdevice
+
+        @triton.jit
+        def cos_sin(x):
+            """cos x, sin x: the hardware approximations after reduction to [0, 2π) (absolute
+            error ~1e-6, far below the bf16 rounding of the dot operands). libdevice's exact range
+            reduction costs a local-memory table and many registers."""
+            x = x - TWO_PI * tl.floor(x * (1.0 / TWO_PI))
+            return libdevice.fast_cosf(x), libdevice.fast_sinf(x)
+
+    @triton.jit
+    def tanh(x):
+        """tanh through exp2 of a non-positive argument: no overflow, no cancellation near 0."""
+        e = tl.exp2((-2.0 * LOG2E_C) * tl.abs(x))
+        r = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
+    def sigmoid(x):
+        return 1.0 / (1.0 + tl.exp2(-LOG2E_C * x))
+
+    @triton.jit
+    def chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT: tl.constexpr):
+        """Per-token scalars of one chunk (pointers at the (batch, head) row): Δ, λΔ (the
+        diagonal weight), the trapezoid weight w, and the chunk-local cumulative decay A in the
+        log2 domain with its last value."""
+        m_n = o_tc + 1 < T
+        b_adt = tl.load(adt + o_tc, mask=m_t, other=0.0)
+        b_dt = tl.load(dt + o_tc, mask=m_t, other=0.0)
+        b_lam = sigmoid(tl.load(trap + o_tc, mask=m_t, other=0.0))
+        # Δ_{t+1}, λ_{t+1}; Δ_{T+1} = 0 ends the trapezoid at the last token.
+        b_dtn = tl.load(dt + o_tc + 1, mask=m_n, other=0.0)
+        b_lamn = sigmoid(tl.load(trap + o_tc + 1, mask=m_n, other=0.0))
+        b_cur = b_lam * b_dt
+        b_w = b_cur + (1.0 - b_lamn) * b_dtn
+        b_A2 = tl.cumsum(b_adt, axis=0) * LOG2E_C
+        b_AL2 = tl.sum(tl.where(o_t == BT - 1, b_A2, 0.0), axis=0)
+        return b_dt, b_cur, b_w, b_A2, b_AL2
+
+    @triton.jit
+    def decay_weights(b_A2, b_w, b_cur, m_strict, m_diag):
+        """exp(A_i − A_j)·W_ij: w_j below the diagonal, λ_jΔ_j on it (the diagonal correction)."""
+        b_decay = tl.exp2(tl.minimum(b_A2[:, None] - b_A2[None, :], 0.0))
+        return tl.where(m_strict, b_decay * b_w[None, :], tl.where(m_diag, b_cur[None, :], 0.0))
+
+    @triton.jit
+    def chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2: tl.constexpr):
+        """cos Φ, sin Φ for the tokens ``o_tc`` (BT × BN2; Φ = 0 past the S angles): the chunk's
+        entering angle plus the chunk-local cumsum of Δ·π·tanh(θ̃); and the chunk's angle sum.
+        ``angles`` points at the (batch, head) row."""
+        o_m = tl.arange(0, BN2)
+        m_a = m_t[:, None] & (o_m < S)[None, :]
+        b_th = tl.load(angles + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0)
+        b_dphi = b_dt[:, None] * PI * tanh(b_th)
+        b_cos, b_sin = cos_sin(b_phi0[None, :] + tl.cumsum(b_dphi, axis=0))
+        return b_cos, b_sin, tl.sum(b_dphi, axis=0)
+
+    @triton.jit
+    def rotate(b_a, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr):
+        """R(Φ)a for a (BT × 2·BN2) fp32 tile in natural column order (pairs adjacent): split
+        into even and odd columns in registers, rotated, joined back."""
+        b_e, b_o = tl.split(tl.reshape(b_a, (BT, BN2, 2)))
+        b_r = tl.join(b_e * b_cos - b_o * b_sin, b_e * b_sin + b_o * b_cos)
+        return tl.reshape(b_r, (BT, 2 * BN2))
+
+    @triton.jit
+    def bias_pairs(bias, i_h, N, BN2: tl.constexpr):
+        """Row i_h of an (h, N) bias as its even and odd entries."""
+        o_m = tl.arange(0, BN2)
+        b_e = tl.load(bias + i_h * N + 2 * o_m, mask=2 * o_m < N, other=0.0)
+        b_o = tl.load(bias + i_h * N + 2 * o_m + 1, mask=2 * o_m + 1 < N, other=0.0)
+        return b_e, b_o
+
+
+# --- launching ---------------------------------------------------------------------------------
+
+# Where launches go instead of the GPU while a recorder is set: triton_report compiles them for
+# a chosen architecture without a GPU (registers, spills, shared memory).
+_recorder = None
+
+
+def set_recorder(recorder) -> None:
+    global _recorder
+    _recorder = recorder
+
+
+def launch(name: str, kernel, grid: tuple, args: tuple, constexprs: dict, cfg: LaunchConfig):
+    """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to the
+    recorder."""
+    if _recorder is not None:
+        _recorder(name, kernel, grid, args, constexprs, cfg)
+        return
+    kernel[grid](*args, **constexprs, **cfg.launch_kwargs())
+
+
+if triton is not None:
+
+    @triton.jit
+    def tile_ptr(base, rows, cols, row_stride, r0, BR: tl.constexpr, BC: tl.constexpr):
+        """Block pointer to the (BR × BC) tile at row r0 of a (rows × cols) row-major matrix with
+        unit column stride: loads and stores vectorise and carry no per-element pointers."""
+        return tl.make_block_ptr(base, (rows, cols), (row_stride, 1), (r0, 0), (BR, BC), (1, 0))
+
+    @triton.jit
+    def load_tile(ptr):
+        return tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
+
+    @triton.jit
+    def store_tile(ptr, value):
+        tl.store(ptr, value.to(ptr.dtype.element_ty.element_ty), boundary_check=(0, 1))

@@ -1,0 +1,185 @@
+"""Compile the scan's kernels for a GPU architecture without a GPU and report their resources.
+
+The forward and backward launchers run on ``meta`` tensors with a recorder in place of the
+launches (:func:`kernels.mamba3.triton_common.set_recorder`), so every kernel is compiled with
+exactly the arguments, constexprs and launch configuration a real call would use. ``ptxas -v``
+(the one bundled with Triton) then gives registers, spills and stack per thread; Triton gives the
+shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import triton_common as tc
+
+# Per-architecture limits a launch must fit (CUDA programming guide, compute capabilities).
+SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in bytes per block
+REGS_PER_SM = 65536
+MAX_REGS_PER_THREAD = 255
+
+_TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int64: "i64", torch.int32: "i32", torch.bool: "i1",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    kernel: str
+    arch: int
+    cfg: tc.LaunchConfig
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.cfg.num_warps
+
+    def fit_error(self) -> str | None:
+        """Why this compiled kernel cannot launch on the architecture (None when it can)."""
+        smem = SMEM_LIMIT.get(self.arch, 101376)
+        if self.shared > smem:
+            return f"{self.kernel}: {self.shared} B shared memory > sm_{self.arch}'s {smem} B"
+        if self.registers > MAX_REGS_PER_THREAD:
+            return f"{self.kernel}: {self.registers} registers > {MAX_REGS_PER_THREAD}"
+        if self.registers * self.threads > REGS_PER_SM:
+            return (f"{self.kernel}: {self.registers} registers × {self.threads} threads > "
+                    f"{REGS_PER_SM} per SM")  # fmt: skip
+        return None
+
+    def line(self) -> str:
+        c = self.cfg
+        return (
+            f"sm_{self.arch} {self.kernel:9} warps {c.num_warps} stages {c.num_stages} maxnreg "
+            f"{c.maxnreg or '-'}: {self.registers} regs, spills {self.spill_stores} B st / "
+            f"{self.spill_loads} B ld, stack {self.stack} B, smem {self.shared} B"
+        )
+
+
+def _ptxas(ptx: str, arch: int) -> dict[str, int]:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        # The PTX targets the architecture it was generated for; ptxas takes it as it is.
+        src.write_text(ptx)
+        out = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={sm}", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+
+    def num(pattern: str) -> int:
+        m = re.search(pattern, out)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "stack": num(r"(\d+) bytes stack frame"),
+    }
+
+
+def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, arch: int):
+    """Compile one launch for ``sm_<arch>``; returns Triton's compiled kernel (PTX, metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, (name, val) in enumerate(zip(names, args, strict=False)):
+        if isinstance(val, torch.Tensor):
+            signature[name] = "*" + _TYPES[val.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, bool):
+            signature[name] = "i1"
+        elif isinstance(val, int):
+            dont = name in kernel.do_not_specialize or names.index(name) in kernel.do_not_specialize
+            if val == 1 and not dont:
+                signature[name] = "constexpr"
+                consts[name] = 1
+                continue
+            signature[name] = "i32" if -(2**31) <= val < 2**31 else "i64"
+            if val % 16 == 0 and not dont:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(f"argument {name} of {kernel.__name__}: {type(val).__name__}")
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg is not None:
+        opts["maxnreg"] = cfg.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
+                    cfgs: dict[str, tc.LaunchConfig] | None = None):  # fmt: skip
+    """Run the forward and backward launchers on meta tensors; returns every launch they make as
+    (name, kernel, args, constexprs, cfg), with d, z and an initial state present."""
+    from .triton_bwd import siso_bwd
+    from .triton_fwd import siso_fwd
+
+    cfgs = dict(cfgs or tc.DEFAULT_CONFIGS)
+    m = dict(device="meta")
+    q, k = (torch.empty(b, t, g, n, dtype=dtype, **m) for _ in range(2))
+    v, z, dy = (torch.empty(b, t, h, p, dtype=dtype, **m) for _ in range(3))
+    adt, dt, trap = (torch.empty(b, h, t, **m) for _ in range(3))
+    q_bias, k_bias = torch.empty(h, n, **m), torch.empty(h, n, **m)
+    angles = torch.empty(b, t, h, s, **m)
+    d = torch.empty(h, **m)
+    phi0, g0 = torch.empty(b, h, s, **m), torch.empty(b, h, p, n, **m)
+    launches = []
+    tc.set_recorder(lambda name, kern, grid, args, ce, cfg: launches.append((name, kern, args, ce,
+                                                                              cfg)))  # fmt: skip
+    try:
+        _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
+                                         phi0, g0, chunk_size, True, cfgs["fwd"])  # fmt: skip
+        dg_t, dphi_t = torch.empty(b, h, p, n, **m), torch.empty(b, h, s, **m)
+        siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in, dy,
+                 dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
+    finally:
+        tc.set_recorder(None)
+    return launches
+
+
+def report(
+    arch: int, cfgs: dict[str, tc.LaunchConfig] | None = None, **shape
+) -> list[KernelReport]:
+    """Compile every kernel of one forward+backward for ``sm_<arch>``; one report per kernel."""
+    out = []
+    for name, kern, args, ce, cfg in record_launches(cfgs=cfgs, **shape):
+        ck = compile_kernel(kern, args, ce, cfg, arch)
+        res = _ptxas(ck.asm["ptx"], arch)
+        out.append(KernelReport(name, arch, cfg, shared=ck.metadata.shared, **res))
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="registers, spills and shared memory per kernel")
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    a = ap.parse_args()
+    for arch in a.arch:
+        for r in report(arch):
+            print(r.line())
+
+
+if __name__ == "__main__":
+    main()

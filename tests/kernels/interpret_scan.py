@@ -1,0 +1,112 @@
+"""Run the Triton scan kernels in the Triton interpreter (CPU) on small shapes and print, as JSON,
+the largest relative error of the output, final state and every input gradient against the
+PyTorch chunked reference. Run as a script (TRITON_INTERPRET must be set before Triton loads):
+
+    TRITON_INTERPRET=1 python tests/kernels/interpret_scan.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def _numpy_scalar_index() -> None:
+    """Triton 3.6's interpreter turns loop bounds into Python ints with ``int(array)``, which
+    NumPy ≥ 2.4 refuses for 1-element arrays; read the one element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).flat[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_numpy_scalar_index()
+
+from kernels.mamba3 import mamba3_siso  # noqa: E402
+from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
+
+CASES = [
+    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
+    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True),
+    dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True),
+    dict(b=1, t=64, h=2, p=16, n=16, s=8, g=2, chunk=32, state=False, d=True, z=False),
+]
+
+
+def inputs(b, t, h, p, n, s, g, d, z, gen):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    dt = F.softplus(r(b, h, t) - 2.0)
+    return dict(
+        q=F.rms_norm(r(b, t, g, n), (n,)), k=F.rms_norm(r(b, t, g, n), (n,)), v=r(b, t, h, p),
+        adt=torch.clamp(-F.softplus(r(b, h, t)), max=-1e-4) * dt, dt=dt, trap=r(b, h, t),
+        q_bias=1 + 0.1 * r(h, n), k_bias=1 + 0.1 * r(h, n), angles=2 * r(b, t, h, s),
+        d=r(h) if d else None, z=r(b, t, h, p) if z else None,
+    )  # fmt: skip
+
+
+def run(fn, x, state, gy, g_state, chunk):
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    st = None if state is None else [a.clone().requires_grad_() for a in state]
+    y, fin = fn(**{k: leaves.get(k) for k in x}, chunk_size=chunk, initial_state=st,
+                return_final_state=True)  # fmt: skip
+    loss = (y * gy).sum() + sum((f * g).sum() for f, g in zip(fin, g_state, strict=True))
+    names = list(leaves) + ([f"state{i}" for i in range(4)] if st else [])
+    grads = torch.autograd.grad(loss, list(leaves.values()) + (st or []))
+    return y, fin, dict(zip(names, grads, strict=True))
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    worst: dict[str, float] = {}
+    for case in CASES:
+        c = dict(case)
+        chunk, with_state = c.pop("chunk"), c.pop("state")
+        x = inputs(**c, gen=gen)
+        b, t, h, p = x["v"].shape
+        n, s = x["k"].shape[3], x["angles"].shape[3]
+        gy = torch.randn(b, t, h, p, generator=gen)
+        g_state = [torch.randn(*sh, generator=gen) for sh in
+                   ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))]  # fmt: skip
+        state = None
+        if with_state:
+            state = (2 * math.pi * torch.rand(b, h, s, generator=gen),
+                     torch.randn(b, h, p, n, generator=gen), torch.randn(b, h, n, generator=gen),
+                     torch.randn(b, h, p, generator=gen))  # fmt: skip
+        y, fin, grads = run(mamba3_siso_triton, x, state, gy, g_state, chunk)
+        ref = lambda **a: mamba3_siso(**a, backend="pytorch")  # noqa: E731
+        y_r, fin_r, grads_r = run(ref, x, state, gy, g_state, chunk)
+        errs = {
+            "y": rel(y, y_r),
+            "ssm_state": rel(fin[1], fin_r[1]),
+            "k_state": rel(fin[2], fin_r[2]),
+        }
+        errs.update({f"d{k}": rel(grads[k], grads_r[k]) for k in grads_r})
+        for k, v in errs.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    print(json.dumps(worst))
+
+
+if __name__ == "__main__":
+    main()
