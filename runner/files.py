@@ -24,6 +24,15 @@ _HASH_BLOCK = 1 << 20
 _CREATE_MODE = 0o666
 
 
+class RunDirWriteError(OSError):
+    """A run-dir file could not be written (full disk, read-only remount, permissions): the
+    message (strerror) names the path, the errno and the fix."""
+
+    @classmethod
+    def wrap(cls, err: OSError, path: str | os.PathLike) -> RunDirWriteError:
+        return cls(err.errno, describe_os_error(err, path))
+
+
 class SymlinkError(OSError):
     """A run-dir file m3run writes is a symbolic link: it never writes through one."""
 

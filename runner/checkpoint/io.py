@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -39,7 +40,7 @@ from runner.checkpoint.layout import (
     read_and_verify,
     remove_leftovers,
 )
-from runner.files import apply_umask, fsync_path, sha256_file
+from runner.files import apply_umask, describe_os_error, fsync_path, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -321,6 +322,14 @@ def write_checkpoint(
         tmp = None
         fsync_path(root, directory=True)
     except (OSError, RuntimeError, SafetensorError) as e:
+        cause = _os_error_in(e)
+        if cause is not None:
+            raise CheckpointError(
+                f"could not write checkpoint for step {step}: "
+                f"{describe_os_error(cause, cause.filename or root)}; the run's earlier "
+                "checkpoints are untouched",
+                errno=cause.errno,
+            ) from e
         raise CheckpointError(
             f"could not write checkpoint for step {step} under {root}: {e}. Check free disk space "
             "and write permission there; the run's earlier checkpoints are untouched"
@@ -334,6 +343,21 @@ def write_checkpoint(
             else:  # failed between the two renames: put the previous checkpoint back
                 os.rename(old, final)
     return final
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The filesystem error behind a failed write. torch.save reports a full disk as
+    "unexpected pos" with the OSError as its context; safetensors names it "os error N"."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        if m := re.search(r"os error (\d+)", str(exc)):
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def save_checkpoint(

@@ -48,7 +48,12 @@ _STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, torn or corrupt, or could not be written. The message names the
-    path and what to do about it."""
+    path and what to do about it. `errno` is set when a write failed in the filesystem (a full
+    disk, a read-only mount): retrying cannot help then."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 @dataclass

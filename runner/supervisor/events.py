@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from runner.files import append_jsonl, open_append
+from runner.files import RunDirWriteError, append_jsonl, open_append
 from runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
 
 
@@ -51,10 +52,16 @@ class EventLog:
         self, event: str, reason: str | None = None, level: str = "info", **fields: Any
     ) -> None:
         record = {"time": time.time(), "event": event, "reason": reason, **fields}
-        append_jsonl(self.run_dir / EVENTS_FILE, record)
-        getattr(self._log, level)(event, reason=reason, **fields)
         if self._console is not None:
             getattr(self._console, level)(event, reason=reason, **fields)
+        try:
+            append_jsonl(self.run_dir / EVENTS_FILE, record)
+        except OSError as e:
+            raise RunDirWriteError.wrap(e, self.run_dir / EVENTS_FILE) from e
+        try:
+            getattr(self._log, level)(event, reason=reason, **fields)
+        except OSError as e:
+            raise RunDirWriteError.wrap(e, self.run_dir / SUPERVISOR_LOG) from e
 
     def echo(self, line: str) -> None:
         """A child's output line in the foreground console."""
@@ -63,4 +70,5 @@ class EventLog:
             sys.stdout.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a full disk may refuse the last flush
+            self._file.close()

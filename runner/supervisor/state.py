@@ -1,21 +1,27 @@
 """state.json as the supervisor keeps it: its pid and create time, the phase, the worker's pid,
 restarts across relaunches, the last exit and the numbers `m3run status` shows. Replaced
 atomically on every change and refreshed every few seconds (`updated_at`) so that a liveness
-check can tell a stuck supervisor from a quiet one."""
+check can tell a stuck supervisor from a quiet one.
+
+A full disk must not leave a dead supervisor's state.json saying `running`: every write pads
+the file with trailing blanks (JSON ignores them) so that the final state, when a replace
+fails for lack of space, can still be written over the old bytes in place."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from runner.files import atomic_write_json
+from runner.files import RunDirWriteError, atomic_write_text
 from runner.procs import create_time
 from runner.protocol import STATE_FILE, SupervisorPhase
 from runner.supervisor.settings import SupervisorSettings
 
 _REFRESH_S = 2.0  # updated_at is refreshed at least this often while the supervisor watches
+_RESERVE = 4096  # blank bytes after the JSON: room for a longer final state written in place
 
 
 class StateFile:
@@ -66,5 +72,34 @@ class StateFile:
         if not force and not changes and now - self._last_write < _REFRESH_S:
             return
         self.data["updated_at"] = now
-        atomic_write_json(self.path, self.data)
+        text = json.dumps(self.data, sort_keys=True)
+        try:
+            atomic_write_text(self.path, text + " " * _RESERVE, fsync=False)
+        except OSError as e:
+            raise RunDirWriteError.wrap(e, self.path) from e
         self._last_write = now
+
+    def write_final(self, **changes: Any) -> bool:
+        """The last write of this supervisor: atomic if it can be, else over the old bytes in
+        place (a full disk has no room for a new file). False if neither worked."""
+        try:
+            self.write(force=True, **changes)
+            return True
+        except RunDirWriteError:
+            pass
+        text = json.dumps(self.data, sort_keys=True).encode()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if len(text) > os.fstat(fd).st_size:
+                return False  # it would need new blocks, which a full disk does not have
+            os.pwrite(fd, text, 0)
+            os.ftruncate(fd, len(text))
+            os.fsync(fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)

@@ -40,12 +40,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from runner.files import read_json
+from runner.files import RunDirWriteError, read_json
 from runner.procs import describe_exit
 from runner.protocol import (
     EXIT_CONFIG,
@@ -159,17 +160,22 @@ class Supervisor:
             if code is None:
                 code = self._supervise()
             return code
+        except RunDirWriteError as e:
+            return self._end_unwritable(e)
         except Exception as e:
             # A supervisor bug must not leave an unsupervised worker behind.
             if self.worker is not None and self.worker.alive():
                 self.worker.kill()
-            return self._end(
-                SupervisorPhase.FAILED,
-                EXIT_SOFTWARE,
-                f"supervisor error {type(e).__name__}: {e}; the worker was killed. "
-                "This is a bug in m3run: report it with supervisor.log",
-                level="error",
-            )
+            try:
+                return self._end(
+                    SupervisorPhase.FAILED,
+                    EXIT_SOFTWARE,
+                    f"supervisor error {type(e).__name__}: {e}; the worker was killed. "
+                    "This is a bug in m3run: report it with supervisor.log",
+                    level="error",
+                )
+            except RunDirWriteError as unwritable:
+                return self._end_unwritable(unwritable)
         finally:
             if self._watcher is not None:
                 with contextlib.suppress(Exception):
@@ -250,6 +256,35 @@ class Supervisor:
         )
         self.log.emit(phase, reason=reason, level=level, exit_code=code, **fields)
         return code
+
+    def _end_unwritable(self, err: RunDirWriteError) -> int:
+        """The run dir cannot be written (full disk, read-only remount): stop the worker, which
+        cannot save either, record the end in place if the disk allows, and exit 78 so that a
+        deploy recipe halts instead of relaunching into the same disk."""
+        if self.worker is not None and self.worker.alive():
+            self.worker.terminate()
+            if self.worker.wait(self.s.stop_grace_s) is None:
+                self.worker.kill()
+        reason = f"{err.strerror}; the worker was stopped and the run is not restarted"
+        recorded = self.state_file.write_final(
+            phase=SupervisorPhase.FAILED,
+            reason=reason,
+            worker_pid=None,
+            worker_create_time=None,
+            exit_code=EXIT_CONFIG,
+        )
+        with contextlib.suppress(OSError):
+            self.log.emit(
+                SupervisorPhase.FAILED, reason=reason, level="error", exit_code=EXIT_CONFIG
+            )
+        print(f"m3run supervisor: {reason}", file=sys.stderr)
+        if not recorded:
+            print(
+                f"m3run supervisor: {STATE_FILE} could not be updated either; "
+                "`m3run status` will show the run as dead",
+                file=sys.stderr,
+            )
+        return EXIT_CONFIG
 
     def _scanned(self, progressed: bool) -> None:
         """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
@@ -355,6 +390,9 @@ class Supervisor:
             self._echo(worker)
             if code is not None:
                 self._echo(worker, final=True)
+                last = self.hang.read()
+                if last is not None:
+                    self.hang.observe(last)  # a worker that ended between two polls
                 worker.kill()  # leftovers of the group (ranks, loader workers) go with it
                 killed = kill_at is not None and time.monotonic() >= kill_at
                 return Outcome(worker.protocol_code(code), hang=hang, killed_after_grace=killed)
