@@ -106,7 +106,10 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self.kind == "tiktoken":
             return [self._backend.encode_ordinary(t) for t in texts]
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        # encode_batch_fast: the same ids as encode_batch without the character offsets,
+        # which nothing here reads (~15% faster).
+        encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
