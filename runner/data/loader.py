@@ -25,7 +25,14 @@ from runner.data.verify import verify_split
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BatchLoader", "TokenWindows", "check_vocab", "eval_batches"]
+__all__ = [
+    "BatchLoader",
+    "TokenWindows",
+    "WindowStream",
+    "check_vocab",
+    "epoch_permutation",
+    "eval_batches",
+]
 
 
 class TokenWindows:
@@ -152,27 +159,24 @@ class _Prefetcher:
             self._thread.join(timeout=0.1)
 
 
-class BatchLoader:
-    """Shuffled training batches from a prepared split, resumable to the exact batch.
+class WindowStream:
+    """The machinery every training loader shares: a global stream of windows consumed in
+    blocks of micro_batch_size·world_size (rank r takes the r-th micro_batch_size slice of each
+    block), a prefetch thread, skip and close. The position (windows consumed globally) is
+    independent of world size and counts only batches returned by next_batch().
 
-    The global stream visits windows in a permutation drawn from PCG64 seeded with
-    (seed, epoch); after the last window of an epoch the next epoch starts with a fresh
-    permutation. The stream is consumed in blocks of micro_batch_size·world_size windows and
-    rank r takes the r-th micro_batch_size slice of each block. The position (windows consumed
-    globally) is independent of world size and counts only batches returned by next_batch().
+    A subclass says which windows fill a batch (`_rows`) and what its state is.
     """
 
     def __init__(
         self,
-        split_dir: str | Path,
         seq_len: int,
         micro_batch_size: int,
         seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        prefetch: int = 2,
-        pin_memory: bool = False,
-        verify_cache: Path | None = None,
+        rank: int,
+        world_size: int,
+        prefetch: int,
+        pin_memory: bool,
     ):
         for name, value, lo in (
             ("micro_batch_size", micro_batch_size, 1),
@@ -184,9 +188,6 @@ class BatchLoader:
                 raise DataError(f"{name}={value!r} must be an integer ≥ {lo}")
         if not is_int(rank) or not 0 <= rank < world_size:
             raise DataError(f"rank={rank!r} must be an integer in [0, world_size={world_size})")
-        self.windows = TokenWindows(split_dir, seq_len)
-        # Content and token ids of this rank's share of the shards, before any batch is read.
-        verify_split(self.windows.split_dir, self.windows.manifest, rank, world_size, verify_cache)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.seed = seed
@@ -196,7 +197,6 @@ class BatchLoader:
         self._depth = prefetch
         self._pin = bool(pin_memory) and self._cuda_available()
         self._consumed = 0
-        self._perms: dict[int, np.ndarray] = {}
         self._prefetcher: _Prefetcher | None = None
         self._lock = threading.RLock()
         self._closed = False
@@ -207,62 +207,43 @@ class BatchLoader:
 
         if torch.cuda.is_available():
             return True
-        warnings.warn("pin_memory=True ignored: CUDA is not available", stacklevel=3)
+        warnings.warn("pin_memory=True ignored: CUDA is not available", stacklevel=4)
         return False
-
-    # -- facts about the data ------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return int(self.windows.manifest["vocab_size"])
-
-    @property
-    def eos_id(self) -> int:
-        return int(self.windows.manifest["eos_id"])
-
-    @property
-    def num_tokens(self) -> int:
-        return self.windows.num_tokens
-
-    @property
-    def num_windows(self) -> int:
-        return len(self.windows)
 
     @property
     def windows_consumed(self) -> int:
         return self._consumed
 
     @property
-    def epoch(self) -> int:
-        return self._consumed // len(self.windows)
+    def manifests(self) -> list[dict]:
+        """The manifest of every split read, in source order (all share one tokenizer)."""
+        raise NotImplementedError
 
-    # -- order ---------------------------------------------------------------------------------
-    def _permutation(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            perm = rng.permutation(len(self.windows))
-            # Keep the previous epoch too: a batch can straddle an epoch boundary.
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            self._perms[epoch] = perm
-        return perm
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifests[0]["vocab_size"])
 
-    def _window_indices(self, position: int) -> list[int]:
-        n = len(self.windows)
-        first = position + self.rank * self.micro_batch_size
-        out = []
-        for p in range(first, first + self.micro_batch_size):
-            out.append(int(self._permutation(p // n)[p % n]))
-        return out
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifests[0]["eos_id"])
+
+    def _rows(self, position: int) -> np.ndarray:
+        """This rank's (micro_batch_size, seq_len + 1) windows of the block at `position`."""
+        raise NotImplementedError
 
     def _produce(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _to_tensors(self.windows.batch(self._window_indices(position)), self._pin)
+        return _to_tensors(self._rows(position), self._pin)
+
+    def tokens_by_source(self) -> dict[str, int] | None:
+        """Target tokens drawn so far from each source, for the metrics; None with one source."""
+        return None
 
     # -- the trainer's API ---------------------------------------------------------------------
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), both int64 (micro_batch_size, seq_len); y[:, t] is the token after x[:, t]."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("BatchLoader.next_batch() called after close()")
+                raise RuntimeError(f"{type(self).__name__}.next_batch() called after close()")
             if self._depth == 0:
                 batch = self._produce(self._consumed)
             else:
@@ -282,6 +263,100 @@ class BatchLoader:
             self._consumed += self._block
             return batch
 
+    def skip(self, n_micro_batches: int) -> None:
+        """Advance as if n batches had been read and discarded, without reading them."""
+        if not is_int(n_micro_batches) or n_micro_batches < 0:
+            raise ValueError(f"skip({n_micro_batches!r}): the count must be an integer ≥ 0")
+        with self._lock:
+            self._stop_prefetch()
+            self._consumed += n_micro_batches * self._block
+
+    def _close_data(self) -> None:
+        """Release the memory maps."""
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_prefetch()
+            self._close_data()
+            self._closed = True
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def __enter__(self) -> WindowStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BatchLoader(WindowStream):
+    """Shuffled training batches from one prepared split, resumable to the exact batch.
+
+    The global stream visits windows in a permutation drawn from PCG64 seeded with
+    (seed, epoch); after the last window of an epoch the next epoch starts with a fresh
+    permutation. Blocks, ranks and the position: `WindowStream`.
+    """
+
+    def __init__(
+        self,
+        split_dir: str | Path,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        verify_cache: Path | None = None,
+    ):
+        super().__init__(seq_len, micro_batch_size, seed, rank, world_size, prefetch, pin_memory)
+        self.windows = TokenWindows(split_dir, seq_len)
+        # Content and token ids of this rank's share of the shards, before any batch is read.
+        verify_split(self.windows.split_dir, self.windows.manifest, rank, world_size, verify_cache)
+        self._perms: dict[int, np.ndarray] = {}
+
+    # -- facts about the data ------------------------------------------------------------------
+    @property
+    def manifests(self) -> list[dict]:
+        return [self.windows.manifest]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.windows.num_tokens
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.windows)
+
+    @property
+    def epoch(self) -> int:
+        return self._consumed // len(self.windows)
+
+    # -- order ---------------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = epoch_permutation(len(self.windows), self.seed, epoch)
+            # Keep the previous epoch too: a batch can straddle an epoch boundary.
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            self._perms[epoch] = perm
+        return perm
+
+    def _window_indices(self, position: int) -> list[int]:
+        n = len(self.windows)
+        first = position + self.rank * self.micro_batch_size
+        out = []
+        for p in range(first, first + self.micro_batch_size):
+            out.append(int(self._permutation(p // n)[p % n]))
+        return out
+
+    def _rows(self, position: int) -> np.ndarray:
+        return self.windows.batch(self._window_indices(position))
+
+    # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
         """Plain ints: the position after the last batch returned (not the prefetched ones)."""
         with self._lock:
@@ -313,30 +388,15 @@ class BatchLoader:
             self._stop_prefetch()
             self._consumed = state["windows_consumed"]
 
-    def skip(self, n_micro_batches: int) -> None:
-        """Advance as if n batches had been read and discarded, without reading them."""
-        if not is_int(n_micro_batches) or n_micro_batches < 0:
-            raise ValueError(f"skip({n_micro_batches!r}): the count must be an integer ≥ 0")
-        with self._lock:
-            self._stop_prefetch()
-            self._consumed += n_micro_batches * self._block
+    def _close_data(self) -> None:
+        self.windows.close()
 
-    def close(self) -> None:
-        with self._lock:
-            self._stop_prefetch()
-            self.windows.close()
-            self._closed = True
 
-    def _stop_prefetch(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
-
-    def __enter__(self) -> BatchLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def epoch_permutation(n: int, seed: int, epoch: int, source: int = 0) -> np.ndarray:
+    """The order of n windows in one epoch. Source 0 of a mixture draws what a single-source
+    run draws, so a one-source mixture reads exactly the windows `data.train_path` reads."""
+    key = [seed, epoch] if source == 0 else [seed, epoch, source]
+    return np.random.Generator(np.random.PCG64(key)).permutation(n)
 
 
 def eval_batches(
@@ -373,7 +433,7 @@ def eval_batches(
 
 
 def check_vocab(
-    manifest_or_loader: dict | BatchLoader | TokenWindows, model_vocab_size: int
+    manifest_or_loader: dict | WindowStream | TokenWindows, model_vocab_size: int
 ) -> None:
     """Raise DataError when the data's token ids may not fit the model's embedding."""
     if isinstance(manifest_or_loader, dict):
@@ -384,7 +444,7 @@ def check_vocab(
         spec = manifest_or_loader.manifest["tokenizer"].get("spec", "?")
     else:
         data_vocab = manifest_or_loader.vocab_size
-        spec = manifest_or_loader.windows.manifest["tokenizer"].get("spec", "?")
+        spec = manifest_or_loader.manifests[0]["tokenizer"].get("spec", "?")
     if data_vocab > model_vocab_size:
         raise DataError(
             f"the data's vocabulary ({data_vocab} tokens, tokenizer {spec}) is larger than the "
