@@ -24,14 +24,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from runner.data.loader import TokenWindows, WindowStream, epoch_permutation
+from runner.data.loader import BatchLoader, TokenWindows, WindowStream, epoch_permutation
 from runner.data.manifest import FORMAT_VERSION, MANIFEST_NAME, DataError, is_int
 from runner.data.verify import verify_split
 
-__all__ = ["MixtureLoader", "Source", "StrideSchedule"]
+__all__ = ["MixtureLoader", "Source", "StrideSchedule", "train_loader"]
 
 _KNOWN_POSITIONS = 256  # cached (position → counts) points; the loader only moves forward
 
@@ -120,6 +121,12 @@ class StrideSchedule:
         return tuple(counts)
 
 
+def _tokenizer_identity(manifest: dict) -> str | None:
+    """The same tokenizer under any name: a tokenizer.json by its sha256, tiktoken by name."""
+    tok = manifest["tokenizer"]
+    return tok.get("sha256") or tok.get("name")
+
+
 def _manifest_sha256(split_dir: Path) -> str:
     return hashlib.sha256((split_dir / MANIFEST_NAME).read_bytes()).hexdigest()
 
@@ -182,10 +189,10 @@ class MixtureLoader(WindowStream):
         first = self.windows[0].manifest
         for i, w in enumerate(self.windows[1:], 1):
             m = w.manifest
-            if (m["vocab_size"], m["eos_id"], m["tokenizer"]) != (
+            if (m["vocab_size"], m["eos_id"], _tokenizer_identity(m)) != (
                 first["vocab_size"],
                 first["eos_id"],
-                first["tokenizer"],
+                _tokenizer_identity(first),
             ):
                 raise DataError(
                     f"data.sources[{i}] ({w.split_dir}) was prepared with tokenizer "
@@ -348,3 +355,23 @@ def _describe_state(state: dict) -> str:
         return "one source (data.train_path)"
     parts = [f"{s.get('name')} (weight {s.get('weight')})" for s in state.get("sources", [])]
     return ", ".join(parts) or "no sources"
+
+
+def train_loader(
+    train_path: str | None,
+    sources: Sequence[Any] | None,
+    seq_len: int,
+    micro_batch_size: int,
+    seed: int,
+    **kwargs: Any,
+) -> WindowStream:
+    """The training loader of a `data` config: one split (`train_path`, a BatchLoader) or a
+    mixture (`sources`: items with path, weight, max_epochs and name). kwargs: rank,
+    world_size, prefetch, pin_memory, and for a mixture force."""
+    if sources is None:
+        kwargs.pop("force", None)
+        if train_path is None:
+            raise DataError("no training data: set data.train_path or data.sources")
+        return BatchLoader(train_path, seq_len, micro_batch_size, seed, **kwargs)
+    mix = [Source(s.path, s.weight, s.max_epochs, s.name) for s in sources]
+    return MixtureLoader(mix, seq_len, micro_batch_size, seed, **kwargs)

@@ -26,8 +26,9 @@ from model import Mamba3LM
 from runner.checkpoint import io as ckpt_io
 from runner.checkpoint import layout as ckpt
 from runner.config import ConfigError, RunConfig, load_config
-from runner.data.loader import BatchLoader, check_vocab
+from runner.data.loader import check_vocab
 from runner.data.manifest import DataError, load_manifest
+from runner.data.mixture import train_loader
 from runner.files import atomic_write_json
 from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
 
@@ -101,15 +102,17 @@ class _Smoke:
     # 2
     def data(self) -> str:
         c = self.cfg
-        m = load_manifest(c.data.train_path)
-        check_vocab(m, c.model.vocab_size)
-        loader = BatchLoader(c.data.train_path, c.data.seq_len, c.train.micro_batch_size,
-                             c.train.seed, prefetch=0)  # fmt: skip
+        paths = [s.path for s in c.data.sources] if c.data.sources else [c.data.train_path]
+        for path in paths:
+            check_vocab(load_manifest(path), c.model.vocab_size)
+        loader = train_loader(c.data.train_path, c.data.sources, c.data.seq_len,
+                              c.train.micro_batch_size, c.train.seed, prefetch=0)  # fmt: skip
         try:
             self.batch = loader.next_batch()
         finally:
             loader.close()
-        msg = f"train: {m['total_tokens']:,} tokens, vocab {m['vocab_size']}"
+        mix = f" from {len(c.data.sources)} sources" if c.data.sources else ""
+        msg = f"train: {loader.num_tokens:,} tokens{mix}, vocab {loader.vocab_size}"
         if c.data.val_path:
             v = load_manifest(c.data.val_path)
             msg += f"; val: {v['total_tokens']:,} tokens"

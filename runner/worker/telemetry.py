@@ -136,10 +136,11 @@ class Telemetry:
         tokens_seen: int,
         n_params: int,
         eta_s: float,
+        tokens_by_source: dict[str, int] | None = None,
     ) -> None:
         """A logged training step: its record (metrics.jsonl, tracker) and its console line.
         `step_time_s` is the mean over the steps since the last logged one, evals and saves
-        excluded."""
+        excluded. `tokens_by_source`: a data mix's target tokens drawn per source so far."""
         self.step_time_s = step_time_s
         tps = tokens_per_step / step_time_s
         # Training FLOPs ≈ 6 × parameters per token (Kaplan et al. 2020), over the device peak.
@@ -156,6 +157,8 @@ class Telemetry:
             "tokens_seen": tokens_seen,
             "time": time.time(),
         }
+        if tokens_by_source is not None:
+            record["tokens_by_source"] = tokens_by_source
         self.last.update(tokens_per_s=tps, mfu=mfu)
         if not self.dist.writer:
             return

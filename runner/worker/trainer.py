@@ -15,7 +15,8 @@ import torch
 
 from runner.checkpoint import layout as ckpt
 from runner.config import ConfigError, RunConfig
-from runner.data.loader import BatchLoader, check_vocab, eval_batches
+from runner.data.loader import WindowStream, check_vocab, eval_batches
+from runner.data.mixture import train_loader
 from runner.protocol import CHECKPOINTS_DIR, EXIT_OK, WorkerPhase
 
 from .build import (
@@ -71,7 +72,7 @@ class Trainer:
         # Built by setup(): close() and the exit paths cope with a setup that failed early.
         self.telemetry: Telemetry | None = None
         self.checkpointer: Checkpointer | None = None
-        self.loader: BatchLoader | None = None
+        self.loader: WindowStream | None = None
         self.resumed_from: int | None = None
 
     # ---- counters ----
@@ -122,8 +123,9 @@ class Trainer:
         self.model.activation_checkpointing = t.activation_checkpointing
         self.n_params = self.model.num_params()
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
-        self.loader = BatchLoader(
+        self.loader = train_loader(
             cfg.data.train_path,
+            cfg.data.sources,
             cfg.data.seq_len,
             t.micro_batch_size,
             t.seed,
@@ -131,6 +133,7 @@ class Trainer:
             world_size=self.dist.world_size,
             prefetch=cfg.data.prefetch,
             pin_memory=self.device.type == "cuda",
+            force=self.force,
         )
         check_vocab(self.loader, cfg.model.vocab_size)
         self.val_batches = None
@@ -359,6 +362,7 @@ class Trainer:
                     step_time_s=elapsed / max(1, window_steps),
                     tokens_per_step=self.tokens_per_step,
                     tokens_seen=self.tokens_seen,
+                    tokens_by_source=self.loader.tokens_by_source(),
                     n_params=self.n_params,
                     eta_s=run_rate * (t.total_steps - self.step),
                 )

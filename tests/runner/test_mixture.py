@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.runs import tiny_run_overrides, worker_env
 from helpers.tokens import text
+from helpers.training import run_worker, train_losses, worker_cmd
+from safetensors.torch import load_file
 
+from runner.checkpoint.layout import latest_complete
 from runner.data.loader import BatchLoader
 from runner.data.manifest import DataError
 from runner.data.mixture import MixtureLoader, Source
 from runner.data.prepare import prepare_data
+from runner.files import read_jsonl
 
 SEQ, MBS = 16, 4
 
@@ -219,3 +227,93 @@ def test_stride_schedule_shares_stay_within_one_window():
         counts = np.bincount(picks[:n], minlength=5)
         assert np.all(np.abs(counts - np.array(weights) * n) <= 1.0), (n, counts)
     assert schedule.derive(2000) == schedule.counts_at(2000)
+
+
+# ---------------------------------------------------------------------------------------------
+# a mixed training run
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def second_source(corpus, tmp_path_factory) -> Path:
+    """A small source in the session corpus's tokenizer: it wraps into new epochs mid-run."""
+    root = tmp_path_factory.mktemp("second")
+    rng = random.Random(7)
+    (root / "notes.txt").write_text("\n\n".join(text(rng, 36) for _ in range(12)))
+    prepare_data(
+        [str(root / "notes.txt")],
+        root / "notes",
+        tokenizer=str(corpus / "tokenizer.json"),
+        val_fraction=0,
+        progress=False,
+    )
+    return root / "notes" / "train"
+
+
+def _mixed_overrides(corpus: Path, second: Path) -> list[str]:
+    mix = f"[{{path: {corpus / 'train'}, weight: 0.8}}, {{path: {second}, weight: 0.2}}]"
+    return tiny_run_overrides(corpus, **{"data.train_path": "null", "data.sources": mix})
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_of_a_mixed_run_is_bitwise(corpus, second_source, tmp_path):
+    ov = _mixed_overrides(corpus, second_source)
+    ref = run_worker(tmp_path / "ref", ov)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        worker_cmd(run_dir, ov), env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline and max(train_losses(run_dir) or [0]) < 12:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 75, out
+    stopped_at = latest_complete(run_dir).step
+    assert 12 <= stopped_at < 30, out
+
+    again = run_worker(run_dir, ov)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"(step {stopped_at})" in again.stdout
+    assert train_losses(run_dir) == train_losses(tmp_path / "ref")  # bitwise, every step
+    ref_weights = load_file(str(latest_complete(tmp_path / "ref").path / "model.safetensors"))
+    weights = load_file(str(latest_complete(run_dir).path / "model.safetensors"))
+    assert all(torch.equal(ref_weights[k], weights[k]) for k in ref_weights)
+
+    # Tokens per source: in every logged record, in the checkpoint, and by the weights.
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    last = records[-1]["tokens_by_source"]
+    assert sum(last.values()) == records[-1]["tokens_seen"]
+    assert abs(last["notes"] / sum(last.values()) - 0.2) < 0.01
+    meta = json.loads((latest_complete(run_dir).path / "meta.json").read_text())
+    state = meta["data_state"]
+    assert [s["windows"] * 64 for s in state["sources"]] == [last["data"], last["notes"]]
+    assert state["sources"][1]["epoch"] >= 1, "the small source wrapped"
+
+
+@pytest.mark.slow
+def test_resuming_on_changed_data_needs_force(corpus, tmp_path):
+    """The config is the same, but a source was prepared again with other text: its manifest
+    digest, so the mix's fingerprint, changed. Exit 78 naming it; --force re-derives."""
+    rng = random.Random(8)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("\n\n".join(text(rng, 36) for _ in range(12)))
+    tok = str(corpus / "tokenizer.json")
+    prepare_data([str(notes)], tmp_path / "notes", tokenizer=tok, val_fraction=0, progress=False)
+    ov = [*_mixed_overrides(corpus, tmp_path / "notes" / "train"), "train.total_steps=10"]
+    first = run_worker(tmp_path / "r", ov)
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    notes.write_text("\n\n".join(text(rng, 36) for _ in range(14)))
+    prepare_data([str(notes)], tmp_path / "notes", tokenizer=tok, val_fraction=0, progress=False)
+    longer = [*ov, "train.total_steps=12"]
+    forced = run_worker(tmp_path / "r", longer, "--force")  # --force: total_steps changed too
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "data mix changed (--force)" in forced.stdout
+    assert "per-source positions re-derived at window 40" in forced.stdout
+    prepare_data([str(notes)], tmp_path / "notes", tokenizer=tok, val_fraction=0.2, progress=False)
+    again = run_worker(tmp_path / "r", [*ov, "train.total_steps=12"])
+    assert again.returncode == 78, again.stdout + again.stderr
+    assert "belongs to another data mix" in again.stdout + again.stderr
