@@ -464,7 +464,9 @@ class BackgroundWriter:
         self._step, self._thread, self._error, self._result = None, None, None, None
         if error is not None:
             if isinstance(error, CheckpointError):
-                raise CheckpointError(f"background checkpoint write failed: {error}") from error
+                raise CheckpointError(
+                    f"background checkpoint write failed: {error}", errno=error.errno
+                ) from error
             raise CheckpointError(
                 f"background checkpoint write for step {step} failed with "
                 f"{type(error).__name__}: {error}. Nothing was reported complete for this step; "

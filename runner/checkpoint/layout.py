@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.files import fsync_path, sha256_file
+from runner.files import atomic_write_json, fsync_path, read_json, sha256_file
 from runner.protocol import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.pt"
 META_FILE = "meta.json"
 DATA_FILES = (MODEL_FILE, OPTIM_FILE)
+# Written by a worker into a checkpoint whose hashes match but which cannot be loaded (a
+# foreign optim.pt structure, a refused unpickle): discovery then reports it as unusable.
+UNUSABLE_FILE = "unusable.json"
 TMP_PREFIX = ".tmp-"
 DEL_PREFIX = ".del-"
 # Keys save_checkpoint writes itself; a caller passing them would be silently overwritten.
@@ -164,6 +167,9 @@ def read_and_verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
     meta, reason = _read_meta(path)
     if meta is None:
         return None, reason
+    marked = read_json(path / UNUSABLE_FILE)
+    if marked is not None:
+        return meta, f"marked unusable: {marked.get('reason')}"
     reason = _check_meta(path, meta)
     if reason is not None:
         return meta, reason
@@ -187,6 +193,12 @@ def read_and_verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
                     f"found {digest[:12]}…)"
                 )
     return meta, None
+
+
+def mark_unusable(path: Path, reason: str) -> None:
+    """Record that checkpoint `path` cannot be loaded, so no one resumes from it again; its
+    files stay as they are."""
+    atomic_write_json(path / UNUSABLE_FILE, {"reason": reason, "time": time.time()}, fsync=True)
 
 
 def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> tuple[bool, str | None]:

@@ -162,13 +162,18 @@ class CheckpointTracker:
                 if not ok:
                     earlier = [i.step for i in self._list() if i.complete and i.step < step]
                     self.last_step = earlier[-1] if earlier else None
+                    then = (
+                        "the worker resumes from an earlier complete one"
+                        if earlier
+                        else "no other complete checkpoint exists, so the worker refuses to "
+                        "start from scratch (exit 78) unless launched with --resume none --force"
+                    )
                     self.log.emit(
                         "checkpoint_incomplete",
                         level="warning",
                         step=step,
                         reason=f"the newest existing checkpoint, step {step}, failed "
-                        f"verification: {reason}; the worker resumes from an earlier "
-                        "complete one",
+                        f"verification: {reason}; {then}",
                     )
                 continue
             if ok:

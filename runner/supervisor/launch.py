@@ -207,7 +207,7 @@ def launch(opts: LaunchOptions) -> int:
         sup = Supervisor(
             opts.run_dir,
             settings,
-            worker_argv(opts.run_dir, cfg.distributed),
+            worker_argv(opts.run_dir, cfg.distributed, start_over=opts.force),
             resume=resume,
             console=opts.console,
             config_hash=chash,

@@ -42,10 +42,12 @@ from runner.supervisor.events import EventLog
 WorkerArgv = Callable[[str, float], list[str]]
 
 
-def worker_argv(run_dir: Path, distributed: Any = None) -> WorkerArgv:
+def worker_argv(run_dir: Path, distributed: Any = None, start_over: bool = False) -> WorkerArgv:
     """The real worker: `python -m runner.train RUN_DIR/config.yaml --run-dir RUN_DIR --resume R
     [--lr-scale F]`, through torchrun when the config's `distributed` section asks for more than
-    one process (torchrun never restarts on its own: the supervisor does)."""
+    one process (torchrun never restarts on its own: the supervisor does). `start_over` (a
+    launch with `--resume none --force`) passes `--force` with `--resume none`: the worker then
+    moves existing checkpoints aside instead of refusing to start from scratch."""
 
     def build(resume: str, lr_scale: float) -> list[str]:
         argv = [
@@ -60,6 +62,8 @@ def worker_argv(run_dir: Path, distributed: Any = None) -> WorkerArgv:
         ]
         if lr_scale != 1.0:
             argv += ["--lr-scale", repr(lr_scale)]
+        if start_over and resume == "none":
+            argv.append("--force")
         d = distributed
         if d is None or (d.nproc_per_node == 1 and d.nnodes == 1):
             return argv

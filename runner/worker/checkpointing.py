@@ -15,8 +15,9 @@ import torch
 from runner import __version__
 from runner.checkpoint import io as ckpt_io
 from runner.checkpoint import layout as ckpt
-from runner.config import RunConfig, config_hash
+from runner.config import ConfigError, RunConfig, config_hash
 from runner.data.loader import BatchLoader
+from runner.data.manifest import DataError
 from runner.protocol import WorkerPhase
 
 from .dist import Dist
@@ -266,19 +267,57 @@ class Checkpointer:
     # ---- restoring ----
 
     def load(self, path: Path) -> None:
-        """Restore everything from a checkpoint that latest_complete/find_step just verified."""
-        model_state, state, meta = ckpt_io.load_checkpoint(path, hashes_checked=True)
+        """Restore everything from a checkpoint whose hashes were just verified. ConfigError
+        when its tensors do not fit this config's model (exit 78); UnloadableCheckpoint when
+        its contents cannot be read back (another structure, a refused unpickle)."""
+        try:
+            model_state, state, meta = ckpt_io.load_checkpoint(path, hashes_checked=True)
+        except ckpt.CheckpointError as e:
+            raise UnloadableCheckpoint(str(e)) from e
+        _check_fits(path, model_state, self.model.state_dict())
         if meta.get("config_hash") not in (None, config_hash(self.cfg)) and not self.force:
             print(
                 f"warning: checkpoint {path.name} was written under a different config "
                 "(model or schedule changes apply from here on)"
             )
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.counters.load_state_dict(state)
-        self.loader.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        device = self.dist.device
-        if device.type == "cuda" and state["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        self.last_checkpoint_step = int(state["step"])
+        try:
+            self.model.load_state_dict(model_state)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.counters.load_state_dict(state)
+            self.loader.load_state_dict(state["data"])
+            torch.set_rng_state(state["rng"]["torch"])
+            device = self.dist.device
+            if device.type == "cuda" and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+            self.last_checkpoint_step = int(state["step"])
+        except (ConfigError, DataError):
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise UnloadableCheckpoint(
+                f"{path / ckpt.OPTIM_FILE} does not hold what this m3run writes "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+
+class UnloadableCheckpoint(Exception):
+    """A checkpoint whose digests match but whose contents cannot be loaded back."""
+
+
+def _check_fits(path: Path, saved: dict, model: dict) -> None:
+    """ConfigError naming every tensor of `saved` that does not fit the model."""
+    problems = [f"{k}: missing from the checkpoint" for k in sorted(set(model) - set(saved))]
+    problems += [f"{k}: not in the model" for k in sorted(set(saved) - set(model))]
+    problems += [
+        f"{k}: {tuple(saved[k].shape)} in the checkpoint, {tuple(model[k].shape)} in the model"
+        for k in sorted(set(model) & set(saved))
+        if tuple(saved[k].shape) != tuple(model[k].shape)
+    ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; … {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise ConfigError(
+            f"checkpoint {path} does not fit the model this config builds ({shown}). Fix: "
+            "resume with the config it was written with, or start over with "
+            "--resume none --force"
+        )

@@ -10,6 +10,7 @@ runner/protocol.py: 0 finished, 75 stopped after a saved checkpoint, 76 NaN excu
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
 import traceback
@@ -18,6 +19,7 @@ from pathlib import Path
 from runner.checkpoint import layout as ckpt
 from runner.config import ConfigError, load_config
 from runner.data.manifest import DataError
+from runner.files import describe_os_error
 from runner.protocol import (
     CHECKPOINTS_DIR,
     EXIT_CONFIG,
@@ -28,6 +30,12 @@ from runner.protocol import (
 )
 
 from .trainer import NaNExcursion, StopRequested, Trainer
+
+# Filesystem errors that no restart can heal: a full disk or quota, a read-only or forbidden
+# run dir, a file past the filesystem's size limit, a planted symbolic link (ELOOP).
+UNWRITABLE = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ELOOP}
+)
 
 
 def run(
@@ -57,6 +65,12 @@ def run(
         return code
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise  # anything else is a crash: the supervisor restarts the worker
+        print(f"error: {describe_os_error(e)}", file=sys.stderr, flush=True)
+        _unwritable_note()
         return EXIT_CONFIG
     except StopRequested:
         return _stop(trainer)
@@ -90,7 +104,20 @@ def _stop(trainer: Trainer) -> int:
     return EXIT_STOPPED
 
 
+def _unwritable_note() -> None:
+    print(
+        f"The worker exits {EXIT_CONFIG}: the run dir cannot be written, and restarting into "
+        "the same disk would fail the same way. Fix the cause named above, then relaunch.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _save_failed(trainer: Trainer | None, e: ckpt.CheckpointError) -> int:
+    if e.errno in UNWRITABLE:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _unwritable_note()
+        return EXIT_CONFIG
     last = trainer.last_checkpoint_step if trainer is not None else None
     since = f"step {last}" if last is not None else "none yet, so from the start"
     print(

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError, RunConfig
+from runner.config import RunConfig
 from runner.data.loader import WindowStream, check_vocab, eval_batches
 from runner.data.mixture import train_loader
-from runner.protocol import CHECKPOINTS_DIR, EXIT_OK, WorkerPhase
+from runner.files import PidLock
+from runner.protocol import EXIT_OK, WorkerPhase
 
 from .build import (
     autocast,
@@ -31,6 +32,8 @@ from .build import (
 from .checkpointing import Checkpointer
 from .dist import Dist
 from .faults import Faults
+from .ownership import claim_run_dir
+from .resume import Resume
 from .schedule import lr_at
 from .telemetry import Telemetry
 
@@ -74,6 +77,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.loader: WindowStream | None = None
         self.resumed_from: int | None = None
+        self._ownership: PidLock | None = None  # worker.lock, held by writer ranks
 
     # ---- counters ----
 
@@ -109,6 +113,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.writer:
+            self._ownership = claim_run_dir(self.run_dir)
             freeze_config(cfg, self.run_dir, self.force)
         self.device = resolve_device(cfg, self.dist)
         self.dist.init(cfg, self.device)
@@ -147,7 +152,10 @@ class Trainer:
             force=self.force,
         )  # fmt: skip
         self.telemetry.saves = self.checkpointer.status
-        self.resumed_from = self.checkpointer.resumed_from = self._resume()
+        resumer = Resume(
+            self.run_dir, self.resume, self.force, self.dist, self.checkpointer, self.telemetry
+        )
+        self.resumed_from = self.checkpointer.resumed_from = resumer.run()
         self.lr_scale *= self.lr_scale_arg
         self.ddp_model = self.model
         if self.dist.enabled:
@@ -161,54 +169,6 @@ class Trainer:
             self.step_model = torch.compile(self.ddp_model, mode=mode)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
-
-    # ---- resume ----
-
-    def _resume(self) -> int | None:
-        resume = self.resume
-        infos = ckpt.list_checkpoints(self.run_dir, verify=False)
-        if resume == "none":
-            if infos and not self.force:
-                raise ConfigError(
-                    f"--resume none but {self.run_dir / CHECKPOINTS_DIR} already holds "
-                    f"{len(infos)} checkpoint(s). Fix: use --resume latest to continue, "
-                    "or --force to start over (the old checkpoints are moved aside, not deleted)."
-                )
-            if infos and self.dist.writer:
-                aside = self.run_dir / f"{CHECKPOINTS_DIR}.old-{int(time.time())}"
-                os.replace(self.run_dir / CHECKPOINTS_DIR, aside)
-                print(f"--resume none --force: previous checkpoints moved to {aside}")
-            self.dist.barrier()
-            return None
-        if resume == "latest":
-            info = ckpt.latest_complete(self.run_dir)
-            if self.dist.enabled:
-                # Every host resumes from the same step: the newest one all of them hold.
-                agreed = self.dist.all_min(info.step if info is not None else -1)
-                info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
-            if info is None:
-                torn = [i for i in infos if not i.complete]
-                if torn:
-                    print(f"note: ignoring {len(torn)} incomplete checkpoint(s); starting fresh")
-                return None
-        else:
-            try:
-                step = int(resume)
-            except ValueError:
-                raise ConfigError(
-                    f"--resume must be latest, none or a step number, got {resume!r}"
-                ) from None
-            try:
-                info = ckpt.find_step(self.run_dir, step)
-            except ckpt.CheckpointError as e:
-                raise ConfigError(str(e)) from e
-        self.checkpointer.load(info.path)
-        if self.dist.writer:
-            print(f"resumed from {info.path} (step {self.step})", flush=True)
-            self.telemetry.record(
-                {"kind": "resume", "step": self.step, "time": time.time(), "pid": os.getpid()}
-            )
-        return self.step
 
     # ---- the loop ----
 
@@ -397,3 +357,5 @@ class Trainer:
             self.loader.close()
         if self.telemetry is not None:
             self.telemetry.close()
+        if self._ownership is not None:
+            self._ownership.release()
