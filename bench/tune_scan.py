@@ -25,11 +25,11 @@ from kernels.mamba3 import triton_common as tc
 
 C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
-    "fwd": [C(4, 1), C(4, 2), C(4, 3), C(8, 2)],
-    "bwd_prep": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
-    "bwd_main": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
-    "bwd_post": [C(4, 1), C(4, 2), C(8, 1), C(8, 2)],
-    "bwd_angle": [C(2, 1), C(4, 1), C(4, 2)],
+    "fwd": [C(4, 2), C(4, 3)],
+    "bwd_prep": [C(4, 2), C(8, 1)],
+    "bwd_main": [C(4, 1), C(8, 1), C(8, 2)],
+    "bwd_post": [C(4, 2), C(8, 1)],
+    "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,10 +1,39 @@
-"""Launch configurations of the Triton scan kernels, by GPU architecture and tile shape.
+"""Launch plans of the Triton scan kernels, by GPU architecture and shape key.
 
-Written by ``python bench/tune_scan.py`` on each GPU (it times every kernel under each candidate
-configuration in one process and keeps the fastest), checked in, and read at launch by
-:func:`kernels.mamba3.triton_common.launch_config`: a worker never autotunes. A shape or
-architecture missing here runs the defaults of ``triton_common.DEFAULT_CONFIGS`` (logged once).
-tests/kernels/test_triton_compile.py compiles every entry for sm_80 without a GPU.
+Written by ``python bench/tune_scan.py`` on each GPU (one process: every kernel timed alone
+under each candidate configuration, at each candidate chunk, the fastest kept), checked in, and
+read at launch by :func:`kernels.mamba3.triton_common.plan_for`: a worker never autotunes. The
+key is the caller's chunk, the tiles and the dot dtype; ``chunk`` is the chunk the kernels run
+at (the result does not depend on it beyond rounding). A shape or architecture missing here runs
+the caller's chunk with ``triton_common.DEFAULT_CONFIGS`` (logged once).
+tests/kernels/test_triton_cpu.py compiles every entry for sm_80 and sm_90 without a GPU.
 """
 
-TABLE: dict[str, dict[str, dict[str, dict]]] = {}
+TABLE: dict[str, dict[str, dict[str, dict]]] = {
+    "sm90": {
+        "c16-p64-n64-bf16": {
+            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
+            "bwd_main": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_post": {"bv": 0, "maxnreg": None, "num_stages": 2, "num_warps": 4},
+            "bwd_prep": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 8},
+            "chunk": 32,
+            "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4},
+        },
+        "c32-p64-n64-bf16": {
+            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
+            "bwd_main": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_post": {"bv": 0, "maxnreg": None, "num_stages": 2, "num_warps": 4},
+            "bwd_prep": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 8},
+            "chunk": 32,
+            "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4},
+        },
+        "c64-p64-n64-bf16": {
+            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
+            "bwd_main": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_post": {"bv": 0, "maxnreg": None, "num_stages": 2, "num_warps": 4},
+            "bwd_prep": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 8},
+            "chunk": 32,
+            "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4},
+        },
+    }
+}

@@ -170,15 +170,39 @@ def report(
     return out
 
 
+def table_plans() -> list[tuple[str, dict, tc.Plan]]:
+    """The defaults (chunk 64) and each distinct plan of the launch table, as (name, shape, plan)
+    with the shape arguments of :func:`report`."""
+    from .launch_table import TABLE
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    out = [("defaults", dict(p=64, n=64, dtype=torch.bfloat16),
+            tc.Plan(64, dict(tc.DEFAULT_CONFIGS)))]  # fmt: skip
+    seen = set()
+    for arch, keys in sorted(TABLE.items()):
+        for key, entry in sorted(keys.items()):
+            _, p, n, dtype = key.split("-")
+            configs = {name: tc.LaunchConfig(**entry[name]) if name in entry else
+                       tc.DEFAULT_CONFIGS[name] for name in tc.KERNELS}  # fmt: skip
+            plan = tc.Plan(int(entry.get("chunk", 64)), configs)
+            shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
+            ident = (plan.chunk, tuple(sorted((k, v) for k, v in configs.items())), p, n, dtype)
+            if ident not in seen:
+                seen.add(ident)
+                out.append((f"{arch} {key} (chunk {plan.chunk})", shape, plan))
+    return out
+
+
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="registers, spills and shared memory per kernel")
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     a = ap.parse_args()
-    for arch in a.arch:
-        for r in report(arch):
-            print(r.line())
+    for name, shape, plan in table_plans():
+        for arch in a.arch:
+            for r in report(arch, cfgs=plan.configs, chunk_size=plan.chunk, **shape):
+                print(f"{name}: {r.line()}")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels.mamba3 import triton_common as tc
 from kernels.mamba3 import triton_report
-from kernels.mamba3.launch_table import TABLE
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,33 +36,13 @@ def test_kernels_in_the_interpreter_match_the_reference():
     assert not bad, f"fp32 interpreter run over 1e-5: {bad}; all: {worst}"
 
 
-def _plans() -> list[tuple[str, str, tc.Plan]]:
-    """The defaults at chunk 64 and every table entry at its chunk, with the shape key."""
-    plans = [("defaults", "c64-p64-n64-bf16", tc.Plan(64, dict(tc.DEFAULT_CONFIGS)))]
-    for arch, keys in TABLE.items():
-        for key, entry in keys.items():
-            configs = {name: tc.LaunchConfig(**entry[name]) if name in entry else
-                       tc.DEFAULT_CONFIGS[name] for name in tc.KERNELS}  # fmt: skip
-            plans.append((f"{arch} {key}", key, tc.Plan(int(entry.get("chunk", 64)), configs)))
-    return plans
-
-
-def _shape(key: str) -> dict:
-    _, p, n, dtype = key.split("-")
-    dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    import torch
-
-    return dict(p=int(p[1:]), n=int(n[1:]), dtype=getattr(torch, dtypes[dtype]))
-
-
 @pytest.mark.parametrize("arch", [80, 90])
 def test_every_launch_configuration_fits_the_architecture(arch):
     """Offline compile (no GPU): the defaults and each table entry, at its shape, fit sm_80's and
     sm_90's shared memory and registers; the spills are printed (pytest -s) for the record."""
     errors = []
-    for name, key, plan in _plans():
-        for rep in triton_report.report(arch, cfgs=plan.configs, chunk_size=plan.chunk,
-                                        **_shape(key)):  # fmt: skip
+    for name, shape, plan in triton_report.table_plans():
+        for rep in triton_report.report(arch, cfgs=plan.configs, chunk_size=plan.chunk, **shape):
             print(f"{name}: {rep.line()}")
             err = rep.fit_error()
             if err:
