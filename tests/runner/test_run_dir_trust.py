@@ -3,6 +3,7 @@ redirect a write, refused launches that leave nothing behind. Real launches, rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+from helpers.training import worker_cmd
 
 from runner.files import append_jsonl, atomic_write_json, open_append
 from runner.protocol import (
@@ -122,29 +124,39 @@ def test_a_refused_launch_leaves_no_run_dir_behind(tmp_path, corpus):
     assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
 
 
+@contextlib.contextmanager
+def _read_only_dir(path: Path):
+    """A directory this process cannot write: a read-only bind mount for root (root writes
+    through file modes), mode 0555 for anyone else."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        return
+    bind = subprocess.run(["mount", "--bind", str(path), str(path)]).returncode == 0
+    remount = ["mount", "-o", "remount,ro,bind", str(path)]
+    if not bind or subprocess.run(remount).returncode != 0:
+        if bind:
+            subprocess.run(["umount", str(path)])
+        pytest.skip("root here cannot mount a read-only bind mount to make a run dir unwritable")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)])
+
+
 def test_an_unwritable_run_dir_is_exit_78_naming_the_path_and_errno(tmp_path, corpus):
-    if os.geteuid() == 0:
-        # root writes through file modes: make the directory read-only with a read-only
-        # bind mount instead, when the kernel lets this process mount.
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        bind = subprocess.run(["mount", "--bind", str(ro), str(ro)]).returncode == 0
-        remount = ["mount", "-o", "remount,ro,bind", str(ro)]
-        if not bind or subprocess.run(remount).returncode != 0:
-            if bind:
-                subprocess.run(["umount", str(ro)])
-            pytest.skip(
-                "root here cannot mount a read-only bind mount to make a run dir unwritable"
-            )
-        try:
-            done = _launch(ro, tiny_run_overrides(corpus))
-        finally:
-            subprocess.run(["umount", str(ro)])
-        run_dir = ro
-    else:
-        run_dir = tmp_path / "ro"
-        run_dir.mkdir(mode=0o555)
-        done = _launch(run_dir, tiny_run_overrides(corpus))
-    assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
-    assert str(run_dir) in done.stderr and ("EROFS" in done.stderr or "EACCES" in done.stderr)
-    assert "Traceback" not in done.stderr
+    with _read_only_dir(tmp_path / "ro") as run_dir:
+        launched = _launch(run_dir, tiny_run_overrides(corpus))
+        trained = subprocess.run(
+            worker_cmd(run_dir, tiny_run_overrides(corpus)),
+            capture_output=True,
+            text=True,
+            env=worker_env(),
+            timeout=120,
+        )
+    for done in (launched, trained):
+        assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
+        assert str(run_dir) in done.stderr, done.stderr
+        assert "EROFS" in done.stderr or "EACCES" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
