@@ -68,7 +68,10 @@ def test_a100_recipe_numbers():
     assert (cfg.checkpoint.interval_steps, cfg.checkpoint.keep_last) == (4000, 3)
     assert cfg.log.interval_steps == 50
     assert (cfg.eval.interval_steps, cfg.eval.steps) == (2000, 20)
-    assert (cfg.data.train_path, cfg.data.val_path) == ("/data/fineweb/train", "/data/fineweb/val")
+    assert (cfg.data.train_path, cfg.data.val_path) == (None, "/data/fineweb/val")
+    mix = {Path(s.path).parent.name: s.weight for s in cfg.data.sources}
+    assert mix == {"fineweb-edu": 0.50, "fineweb": 0.20, "the-stack-python": 0.15,
+                   "openmath": 0.10, "arxiv": 0.05}  # fmt: skip
 
 
 def test_demo_recipe_numbers():
