@@ -208,28 +208,13 @@ class TrainConfig(_Section):
 class DataSourceConfig(_Section):
     """One prepared split in a token-weighted mixture (an item of `data.sources`)."""
 
-    path: str = Field(
-        min_length=1, description="A prepared split directory (<out>/train of prepare-data)."
-    )
-    weight: float = Field(
-        gt=0,
-        description=(
-            "Share of the training tokens drawn from this source, relative to the other "
-            "sources' weights (they need not add up to 1)."
-        ),
-    )
+    path: str = Field(min_length=1, description="A prepared split (<out>/train of prepare-data).")
+    weight: float = Field(gt=0, description="Its share of the tokens, relative to the others'.")
     max_epochs: float | None = Field(
-        None,
-        gt=0,
-        description=(
-            "Passes over this source after which it leaves the mix and the others share its "
-            "slots by weight; null = no cap (a small source repeats, reshuffled each epoch)."
-        ),
+        None, gt=0, description="Passes after which it leaves the mix; null = it repeats."
     )
     name: str | None = Field(
-        None,
-        min_length=1,
-        description="Its label in metrics.jsonl (tokens_by_source); default: the folder of train/.",
+        None, min_length=1, description="Label in tokens_by_source; default: the folder of train/."
     )
 
 
@@ -237,21 +222,13 @@ class DataConfig(_Section):
     """Where the token streams live and how they are cut into samples."""
 
     train_path: str | None = Field(
-        None,
-        min_length=1,
-        description=(
-            "Prepared training token data, one source (a directory). The shorthand for a "
-            "one-item `sources`; set exactly one of the two."
-        ),
+        None, min_length=1, description="One prepared split; or `sources`, not both."
     )
     sources: list[DataSourceConfig] | None = Field(
         None,
         description=(
-            "A token-weighted mixture of prepared splits: each a {path, weight, max_epochs, "
-            "name}. Windows are drawn so the token shares follow the weights, in an order fixed "
-            "by train.seed; the per-source positions are in every checkpoint, and resuming under "
-            "another mix needs --force (positions are then re-derived). Exactly one of "
-            "train_path and sources."
+            "A token-weighted mix of prepared splits, in an order fixed by train.seed; the "
+            "positions are checkpointed, and resuming under another mix needs --force."
         ),
     )
     val_path: str | None = Field(
@@ -262,31 +239,15 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _one_kind_of_source(self) -> DataConfig:
-        example = "e.g. sources: [{path: /data/fineweb-edu/train, weight: 0.8}, {path: /data/arxiv/train, weight: 0.2}]"  # noqa: E501
-        if self.train_path is not None and self.sources is not None:
+        paths = [s.path for s in self.sources or []]
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if (self.train_path is None) == (not self.sources) or twice:
+            got = f"train_path={self.train_path!r}, sources={paths or self.sources}"
             raise ValueError(
-                f"data.train_path ({self.train_path!r}) and data.sources ({len(self.sources)} "
-                "sources) are both set (fix: keep one: train_path for one prepared split, "
-                "sources for a weighted mix)"
+                f"data needs exactly one of train_path and a non-empty sources with distinct "
+                f"paths, got {got} (fix: train_path: /data/fineweb/train, or sources: [{{path: "
+                "/data/fineweb-edu/train, weight: 0.8}, {path: /data/arxiv/train, weight: 0.2}])"
             )
-        if self.train_path is None and self.sources is None:
-            raise ValueError(
-                "data has neither train_path nor sources (fix: set train_path to one prepared "
-                f"split, e.g. train_path: /data/fineweb/train, or sources to a weighted mix, "
-                f"{example})"
-            )
-        if self.sources is not None and not self.sources:
-            raise ValueError(
-                f"data.sources is an empty list (fix: list prepared splits, {example})"
-            )
-        if self.sources is not None:
-            paths = [s.path for s in self.sources]
-            twice = sorted({p for p in paths if paths.count(p) > 1})
-            if twice:
-                raise ValueError(
-                    f"data.sources lists {', '.join(twice)} more than once (fix: one entry per "
-                    "split; raise its weight instead)"
-                )
         return self
 
 

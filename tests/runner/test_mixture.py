@@ -49,10 +49,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     corpus.write_text("\n\n".join(text(rng, 48) for _ in range(50)) + "\nxq zv kw yj\n")
     prepare_data([str(corpus)], root / "tok", tokenizer="bpe:300", progress=False)
     tok = str(root / "tok" / "tokenizer.json")
+    prepare_data([str(corpus)], root / "other", tokenizer="bpe:280", progress=False)
     return {
         "web": _source(root, "web", ["the", "cat", "sat", "on", "mat", "über"], 80, tok),
         "code": _source(root, "code", ["def", "return", "(", ")", ":", "="], 4, tok),
-        "other": root / "tok" / "train",
+        "other": root / "other" / "train",
     }
 
 
