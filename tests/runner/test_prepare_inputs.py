@@ -139,6 +139,35 @@ def test_hf_prefix_loads_a_dataset_folder_through_datasets(docs, tokenizer, tmp_
     assert Counter(_all_documents(tmp_path / "o")) == Counter(docs[:25])
 
 
+def test_arrow_ipc_files_and_feather(docs, tokenizer, tmp_path):
+    table = pa.table({"text": docs[:30], "n": list(range(30))})
+    with pa.ipc.new_file(tmp_path / "a.arrow", table.schema) as w:
+        w.write_table(table)
+    import pyarrow.feather as feather
+
+    feather.write_feather(pa.table({"text": docs[30:50]}), tmp_path / "b.feather")
+    summary = _prepare([tmp_path / "a.arrow", tmp_path / "b.feather"], tmp_path / "o", tokenizer)
+    assert summary["documents"] == 50
+    assert Counter(_all_documents(tmp_path / "o")) == Counter(docs[:50])
+
+
+def test_hf_prefix_without_the_extra_names_it(tmp_path):
+    """A Python where `datasets` cannot be imported (as without the hf extra)."""
+    (tmp_path / "ds").mkdir()
+    code = (
+        "import sys; sys.modules['datasets'] = None\n"
+        "from runner.cli import app\n"
+        f"app(['prepare-data', 'hf:{tmp_path / 'ds'}', '--out', '{tmp_path / 'o'}', "
+        "'--tokenizer', 'bpe:300'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 78, result.stderr
+    assert "needs the optional `datasets` library" in result.stderr
+    assert "pip install 'm3run[hf]'" in result.stderr
+
+
 def test_one_big_text_file_becomes_documents_with_a_val_split(docs, tokenizer, tmp_path):
     big = tmp_path / "book.txt"
     paragraphs = [d.strip("\n") for d in docs[:200]]
