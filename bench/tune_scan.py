@@ -25,32 +25,31 @@ from kernels.mamba3 import triton_common as tc
 
 C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
-    "fwd": [C(4, 2), C(4, 3)],
-    "bwd_prep": [C(4, 2), C(8, 1)],
-    "bwd_main": [C(4, 1), C(8, 1), C(8, 2)],
-    "bwd_post": [C(4, 2), C(8, 1)],
+    "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 2, bv=32)],
+    "bwd_prep": [C(4, 2), C(8, 1), C(8, 2)],
+    "bwd_main": [C(4, 1), C(4, 2), C(8, 1), C(4, 1, 240)],
+    "bwd_post": [C(4, 2), C(8, 1), C(4, 2, bv=8), C(4, 2, bv=4), C(8, 2, bv=8)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def record(x: dict, chunk: int) -> list:
-    """Every launch of one forward+backward, executed with the defaults and kept for re-timing."""
-    launches = []
+def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
+    """Every launch of one forward+backward under ``plan`` (executed, whatever the table says
+    now), by kernel name, kept for re-timing: (kernel, grid, args, constexprs)."""
+    launches = {}
 
     def rec(name, kern, grid, args, ce, cfg):
         kern[grid](*args, **ce, **cfg.launch_kwargs())
-        launches.append((name, kern, grid, args, ce))
+        launches[name] = (kern, grid, args, ce)
 
     leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
-    # Run at exactly this chunk with the defaults, whatever the table says now.
-    plan = tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS))
     saved = triton_siso.plan_for
     triton_siso.plan_for = lambda *args: plan
     tc.set_recorder(rec)
     try:
-        y = mamba3_siso(**leaves, chunk_size=chunk, backend="triton")
+        y = mamba3_siso(**leaves, chunk_size=plan.chunk, backend="triton")
         y.backward(torch.randn_like(y))
     finally:
         tc.set_recorder(None)
@@ -60,23 +59,25 @@ def record(x: dict, chunk: int) -> list:
 
 
 def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
-    """Time each kernel under each candidate at this chunk; returns the sum of the best times
-    (ms) and {kernel: best config as a dict}."""
+    """Time each kernel alone under each candidate at this chunk; returns the sum of the best
+    times (ms) and {kernel: best config as a dict}. A candidate that changes a launch's grid or
+    buffers (``bv``) is recorded afresh from a forward+backward under it."""
     import triton.testing
 
+    base = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS)))
     best, total = {}, 0.0
-    for name, kern, grid, args, ce in record(x, chunk):
+    for name in tc.KERNELS:
         times = []
         for cfg in CANDIDATES[name]:
-            if name == "fwd" and cfg.bv:
-                bv = min(cfg.bv, ce["BP"])
-                ce_, grid_ = dict(ce, BV=bv), (triton.cdiv(ce["BP"], bv), *grid[1:])
-            else:
-                ce_, grid_ = ce, grid
             try:
+                if cfg.bv:
+                    configs = dict(tc.DEFAULT_CONFIGS, **{name: cfg})
+                    kern, grid, args, ce = record(x, tc.Plan(chunk, configs))[name]
+                else:
+                    kern, grid, args, ce = base[name]
 
-                def call(kern=kern, args=args, ce_=ce_, grid_=grid_, cfg=cfg):
-                    kern[grid_](*args, **ce_, **cfg.launch_kwargs())
+                def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg):
+                    kern[grid](*args, **ce, **cfg.launch_kwargs())
 
                 ms = triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
             except Exception as exc:  # a config that does not compile or launch here
@@ -110,7 +111,7 @@ def main() -> None:
     for name, default in (("b", 16), ("t", 2048), ("h", 32), ("p", 64), ("n", 64), ("s", 16),
                           ("g", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32], help="chunks to try")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32, 16], help="chunks to try")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
     a = ap.parse_args()

@@ -223,13 +223,17 @@ if triton is not None:
     def siso_bwd_post_kernel(
         q, k, dt, q_bias, k_bias, angles, phi_in, dqr, dkr,
         dq, dk, dqb, dkb, dphi, dphi_c,
-        T, NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, HB, N, S, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BN2: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of one (batch, group): dq̄, dk̄ of each head back to dq, dk summed over the
-        group's heads, bias partial sums per head, dΦ per token and its chunk sums."""
-        i_c, i_bg = tl.program_id(0), tl.program_id(1)
+        group's heads, bias partial sums per head, dΦ per token and its chunk sums. With HB < HPG
+        a program takes a block of HB heads and writes the block's partial sum of dq, dk (in
+        (b, t, g·blocks, n)); the caller sums the blocks."""
+        i_c, i_bgk = tl.program_id(0), tl.program_id(1)
         G = H // HPG
+        NB = tl.cdiv(HPG, HB)
+        i_bg, i_k = i_bgk // NB, i_bgk % NB
         i_b, i_g = i_bg // G, i_bg % G
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
@@ -246,7 +250,7 @@ if triton is not None:
         b_dqO = tl.zeros([BT, BN2], dtype=tl.float32)
         b_dkE = tl.zeros([BT, BN2], dtype=tl.float32)
         b_dkO = tl.zeros([BT, BN2], dtype=tl.float32)
-        for j in range(HPG):
+        for j in range(i_k * HB, tl.minimum(HPG, (i_k + 1) * HB)):
             i_h = i_g * HPG + j
             i_bh = (i_b * H + i_h).to(tl.int64)
             b_dt = tl.load(dt + i_bh * T + o_tc, mask=m_t, other=0.0)
@@ -284,10 +288,11 @@ if triton is not None:
             tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
             tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
 
+        o_out = (i_b.to(tl.int64) * T * G * NB + i_g * NB + i_k) * N
         b_dq = tl.reshape(tl.join(b_dqE, b_dqO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dq + o_qk, T, N, G * N, r0, BT, 2 * BN2), b_dq)
+        store_tile(tile_ptr(dq + o_out, T, N, G * NB * N, r0, BT, 2 * BN2), b_dq)
         b_dk = tl.reshape(tl.join(b_dkE, b_dkO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dk + o_qk, T, N, G * N, r0, BT, 2 * BN2), b_dk)
+        store_tile(tile_ptr(dk + o_out, T, N, G * NB * N, r0, BT, 2 * BN2), b_dk)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
@@ -359,18 +364,22 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
     launch("bwd_main", siso_bwd_main_kernel, (b * h,), args, flags, cfgs["bwd_main"])
     del qr, kr
 
-    dq = torch.empty(b, t, g, n, **f32)
-    dk = torch.empty(b, t, g, n, **f32)
+    # Heads per post program: all of a group's (bv = 0), or blocks of bv summed below.
+    hb = min(cfgs["bwd_post"].bv or hpg, hpg)
+    nb = triton.cdiv(hpg, hb)
+    dq = torch.empty(b, t, g * nb, n, **f32)
+    dk = torch.empty(b, t, g * nb, n, **f32)
     dqb = torch.empty(b, nc, h, n, **f32)
     dkb = torch.empty(b, nc, h, n, **f32)
     dangles = torch.empty(b, t, h, s, **f32)
     dphi_c = torch.empty(b * h, nc, BN2, **f32)
     args = (q, k, dt, q_bias, k_bias, angles, phi_in, dqr, dkr, dq, dk, dqb, dkb, dangles, dphi_c,
-            t, nc, h, hpg, n, s, *a_strides)  # fmt: skip
-    launch(
-        "bwd_post", siso_bwd_post_kernel, (nc, b * g), args, dict(BT=BT, BN2=BN2), cfgs["bwd_post"]
-    )
+            t, nc, h, hpg, hb, n, s, *a_strides)  # fmt: skip
+    launch("bwd_post", siso_bwd_post_kernel, (nc, b * g * nb), args, dict(BT=BT, BN2=BN2),
+           cfgs["bwd_post"])  # fmt: skip
     del dqr, dkr
+    if nb > 1:
+        dq, dk = (x.view(b, t, g, nb, n).sum(3) for x in (dq, dk))
 
     # The sum of dΦ over the later chunks (and the final angle's gradient), chunk by chunk.
     dphi_t = F.pad(dphi_t.reshape(b * h, 1, s), (0, BN2 - s))

@@ -85,7 +85,8 @@ KERNELS = ("fwd", "bwd_prep", "bwd_main", "bwd_post", "bwd_angle")
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
-    .maxnreg; None leaves it to the compiler) and, for the forward, the p block (0: all of p)."""
+    .maxnreg; None leaves it to the compiler) and a block size ``bv`` (0: all): of p for the
+    forward, of the heads of a group for the backward's post kernel."""
 
     num_warps: int
     num_stages: int
