@@ -305,3 +305,68 @@ class SmokeVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class RunState:
+    """state.json: what the run's supervisor says about it. Written by the supervisor (atomic
+    replace on every change, refreshed every few seconds); read by `m3run status`, `stop`, the
+    liveness check and the next supervisor. Read through `from_dict`, which takes a damaged or
+    forged file field by field: a value of the wrong type reads as missing."""
+
+    phase: SupervisorPhase | None = None
+    reason: str | None = None
+    supervisor_pid: int | None = None
+    supervisor_create_time: float | None = None
+    worker_pid: int | None = None
+    worker_create_time: float | None = None
+    worker_started_at: float | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    config_hash: str | None = None
+    run_dir: str | None = None
+    resume: str | None = None
+    lr_scale: float | None = None
+    exit_code: int | None = None
+    last_exit: dict | None = None
+    last_checkpoint_step: int | None = None
+    heartbeat_timeout_s: float | None = None
+    stop_grace_s: float | None = None
+    mirror_flush_s: float | None = None
+    peak_vram_bytes: int | None = None
+    longest_startup_s: float | None = None
+    # One record per restart across every supervisor of the run: time, reason, kind,
+    # exit_code, resume, resume_step, lr_scale, backoff_s, supervisor_pid.
+    restarts: list[dict] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> RunState | None:
+        if not isinstance(data, dict):
+            return None
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = data.get(f.name)
+            if f.name == "phase":
+                values[f.name] = _phase(SupervisorPhase, raw)
+            elif f.name in _STATE_INTS:
+                values[f.name] = _int(raw)
+            elif f.name in _STATE_TEXTS:
+                values[f.name] = raw if isinstance(raw, str) else None
+            elif f.name == "last_exit":
+                values[f.name] = raw if isinstance(raw, dict) else None
+            elif f.name == "restarts":
+                values[f.name] = (
+                    [r for r in raw if isinstance(r, dict)] if isinstance(raw, list) else []
+                )
+            else:
+                values[f.name] = _number(raw)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_STATE_INTS = frozenset(
+    {"supervisor_pid", "worker_pid", "exit_code", "last_checkpoint_step", "peak_vram_bytes"}
+)
+_STATE_TEXTS = frozenset({"reason", "config_hash", "run_dir", "resume"})

@@ -7,6 +7,7 @@ belong to the processes that wrote them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,8 @@ from runner.protocol import (
     TERMINAL_PHASES,
     WORKER_LOCK_FILE,
     WORKER_LOG,
+    Heartbeat,
+    RunState,
     StopRequest,
     SupervisorPhase,
 )
@@ -109,13 +112,13 @@ def _names(runs_root: Path) -> str:
 # --------------------------------------------------------------------------- processes
 
 
-def supervisor_alive(state: dict | None, run_dir: Path | None = None) -> bool:
+def supervisor_alive(state: RunState | None, run_dir: Path | None = None) -> bool:
     """The supervisor state.json names is alive: its pid was born at the recorded create time
     and, given the run dir, holds that run dir's supervisor.lock (what `stop` requires before
     it signals; status and the liveness check read the pid and create time only)."""
     if not state:
         return False
-    pid, born = state.get("supervisor_pid"), state.get("supervisor_create_time")
+    pid, born = state.supervisor_pid, state.supervisor_create_time
     if run_dir is None:
         return process_matches(pid, born)
     return owns_lock(pid, born, Path(run_dir) / LOCK_FILE)
@@ -126,11 +129,11 @@ def orphan_worker(run_dir: Path) -> int | None:
     return lock_holder(Path(run_dir) / WORKER_LOCK_FILE)
 
 
-def effective_phase(state: dict | None, run_dir: Path | None = None) -> str | None:
+def effective_phase(state: RunState | None, run_dir: Path | None = None) -> str | None:
     """state.json's phase, or DEAD when it claims an active phase but the supervisor is gone."""
     if not state:
         return None
-    phase = state.get("phase")
+    phase = state.phase
     if phase in ACTIVE_PHASES and not supervisor_alive(state, run_dir):
         return SupervisorPhase.DEAD
     return phase
@@ -139,8 +142,8 @@ def effective_phase(state: dict | None, run_dir: Path | None = None) -> str | No
 # --------------------------------------------------------------------------- files
 
 
-def read_state(run_dir: Path) -> dict | None:
-    return read_json(Path(run_dir) / STATE_FILE)
+def read_state(run_dir: Path) -> RunState | None:
+    return RunState.from_dict(read_json(Path(run_dir) / STATE_FILE))
 
 
 def state_problem(run_dir: Path) -> str | None:
@@ -161,14 +164,14 @@ def state_problem(run_dir: Path) -> str | None:
     return None
 
 
-def read_heartbeat(run_dir: Path) -> dict | None:
-    return read_json(Path(run_dir) / HEARTBEAT_FILE)
+def read_heartbeat(run_dir: Path) -> Heartbeat | None:
+    return Heartbeat.from_dict(read_json(Path(run_dir) / HEARTBEAT_FILE))
 
 
-def heartbeat_age(heartbeat: dict | None, now: float | None = None) -> float | None:
-    if not heartbeat or not isinstance(heartbeat.get("ts"), (int, float)):
+def heartbeat_age(heartbeat: Heartbeat | None, now: float | None = None) -> float | None:
+    if heartbeat is None:
         return None
-    return max(0.0, (time.time() if now is None else now) - heartbeat["ts"])
+    return max(0.0, (time.time() if now is None else now) - heartbeat.ts)
 
 
 def _last_train_metrics(run_dir: Path) -> dict:
@@ -209,36 +212,37 @@ def _last_complete_checkpoint(run_dir: Path) -> int | None:
 def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     """Everything `m3run status` shows, as one JSON-ready dict."""
     run_dir = Path(run_dir)
-    state = read_state(run_dir) or {}
-    hb = read_heartbeat(run_dir) or {}
+    state = read_state(run_dir) or RunState()
+    hb = read_heartbeat(run_dir)
     metrics = _last_train_metrics(run_dir)
     now = time.time()
 
     def pick(key: str) -> Any:
-        value = hb.get(key)
+        value = getattr(hb, key) if hb is not None else None
         return metrics.get(key) if value is None else value
 
     loss = pick("loss")
     ppl = None  # of the loss shown (the heartbeat's is newer than the last metrics record)
     if isinstance(loss, (int, float)) and math.isfinite(loss) and loss < 50:
         ppl = math.exp(loss)
-    step, total = pick("step"), hb.get("total_steps")
-    step_time = hb.get("step_time_s")
+    step = pick("step")
+    total = hb.total_steps if hb is not None else None
+    step_time = hb.step_time_s if hb is not None else None
     eta = None
     if all(isinstance(v, (int, float)) for v in (step, total, step_time)) and total >= step:
         eta = (total - step) * step_time
-    last_ckpt = state.get("last_checkpoint_step")
+    last_ckpt = state.last_checkpoint_step
     if last_ckpt is None:
         last_ckpt = _last_complete_checkpoint(run_dir)
-    worker_pid = state.get("worker_pid")
-    worker_alive = process_matches(worker_pid, state.get("worker_create_time"))
+    worker_pid = state.worker_pid
+    worker_alive = process_matches(worker_pid, state.worker_create_time)
     status = {
         "run_dir": str(run_dir),
         "state_problem": state_problem(run_dir),
         "phase": effective_phase(state) if state else None,
-        "recorded_phase": state.get("phase"),
-        "reason": state.get("reason"),
-        "worker_phase": hb.get("phase"),
+        "recorded_phase": state.phase,
+        "reason": state.reason,
+        "worker_phase": hb.phase if hb is not None else None,
         "step": step,
         "total_steps": total,
         "loss": loss,
@@ -249,20 +253,20 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
         "mfu": pick("mfu"),
         "eta_s": eta,
         "heartbeat_age_s": heartbeat_age(hb, now),
-        "heartbeat_timeout_s": state.get("heartbeat_timeout_s"),
-        "vram_bytes": hb.get("vram_bytes"),
-        "peak_vram_bytes": state.get("peak_vram_bytes"),
+        "heartbeat_timeout_s": state.heartbeat_timeout_s,
+        "vram_bytes": hb.vram_bytes if hb is not None else None,
+        "peak_vram_bytes": state.peak_vram_bytes,
         "last_checkpoint_step": last_ckpt,
-        "restarts": state.get("restarts", []),
-        "last_exit": state.get("last_exit"),
-        "lr_scale": state.get("lr_scale"),
-        "supervisor_pid": state.get("supervisor_pid"),
+        "restarts": state.restarts,
+        "last_exit": state.last_exit,
+        "lr_scale": state.lr_scale,
+        "supervisor_pid": state.supervisor_pid,
         "supervisor_alive": supervisor_alive(state),
         "worker_pid": worker_pid,
         "worker_alive": worker_alive,
-        "config_hash": state.get("config_hash"),
-        "started_at": state.get("started_at"),
-        "updated_at": state.get("updated_at"),
+        "config_hash": state.config_hash,
+        "started_at": state.started_at,
+        "updated_at": state.updated_at,
     }
     from runner.supervisor.mirror import read_lag
 
@@ -301,25 +305,24 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
     phase = effective_phase(state)
     if phase == SupervisorPhase.DEAD:
         return False, (
-            f"supervisor pid {state.get('supervisor_pid')} is gone but {STATE_FILE} "
-            f"says {state.get('phase')!r}"
+            f"supervisor pid {state.supervisor_pid} is gone but {STATE_FILE} says {state.phase!r}"
         )
     if phase in TERMINAL_PHASES:
-        return False, f"run is not running (phase {phase}: {state.get('reason') or 'no reason'})"
-    updated = state.get("updated_at")
+        return False, f"run is not running (phase {phase}: {state.reason or 'no reason'})"
+    updated = state.updated_at
     if isinstance(updated, (int, float)) and now - updated > SUPERVISOR_STALE_S:
         return False, (
-            f"supervisor pid {state['supervisor_pid']} has not updated {STATE_FILE} for "
+            f"supervisor pid {state.supervisor_pid} has not updated {STATE_FILE} for "
             f"{now - updated:.0f}s (it refreshes it every few seconds); it is stuck"
         )
     if phase != SupervisorPhase.RUNNING:
-        return True, f"phase {phase}; supervisor pid {state['supervisor_pid']} alive"
+        return True, f"phase {phase}; supervisor pid {state.supervisor_pid} alive"
     hb = read_heartbeat(run_dir)
-    started = state.get("worker_started_at") or 0.0
+    started = state.worker_started_at or 0.0
     age = heartbeat_age(hb, now)
-    if age is None or hb.get("ts", 0.0) < started:
+    if age is None or hb.ts < started:
         age = now - started if started else None  # no heartbeat from this worker yet
-    allowance = state.get("heartbeat_timeout_s")
+    allowance = state.heartbeat_timeout_s
     if age is None or not isinstance(allowance, (int, float)):
         return True, "running; no heartbeat allowance recorded yet"
     if age > allowance + LIVENESS_SLACK_S:
@@ -435,13 +438,13 @@ def stop_run(
         say(f"{run_dir} is not running: no supervisor has run there (no {STATE_FILE})")
         return 1
     if phase in TERMINAL_PHASES:
-        say(f"{run_dir} is not running: phase {phase} ({state.get('reason') or 'no reason'})")
+        say(f"{run_dir} is not running: phase {phase} ({state.reason or 'no reason'})")
         return 1
     if phase == SupervisorPhase.DEAD:
         return _stop_orphan(run_dir, state, force, say)
 
-    pid = state["supervisor_pid"]
-    run_grace = state.get("stop_grace_s")
+    pid = state.supervisor_pid
+    run_grace = state.stop_grace_s
     grace = grace_s if grace_s is not None else (run_grace if run_grace is not None else 120.0)
     request = StopRequest.from_dict(read_json(run_dir / STOP_REQUEST_FILE))
     if phase == SupervisorPhase.STOPPING and request is not None:
@@ -468,13 +471,13 @@ def stop_run(
             f"checkpoint and exits (grace {grace:g}s)"
         )
     # After the worker's save, the supervisor may wait for the checkpoint mirror.
-    flush = state.get("mirror_flush_s") or 0.0
+    flush = state.mirror_flush_s or 0.0
     deadline = time.monotonic() + grace + flush + margin_s
     while time.monotonic() < deadline:
-        state = read_state(run_dir) or {}
+        state = read_state(run_dir) or RunState()
         phase = effective_phase(state, run_dir)
         if phase in TERMINAL_PHASES:
-            say(f"{run_dir}: {phase} ({state.get('reason') or 'no reason'})")
+            say(f"{run_dir}: {phase} ({state.reason or 'no reason'})")
             return 0
         if phase == SupervisorPhase.DEAD:
             say(
@@ -483,13 +486,13 @@ def stop_run(
             )
             return 1
         time.sleep(poll_s)
-    state = read_state(run_dir) or {}
+    state = read_state(run_dir) or RunState()
     if not force:
         say(
             f"{run_dir} is still {effective_phase(state, run_dir)} after "
             f"{grace + flush + margin_s:g}s; wait longer, or rerun with --force to kill the "
             "supervisor and the worker (progress since checkpoint "
-            f"{state.get('last_checkpoint_step')} is lost)"
+            f"{state.last_checkpoint_step} is lost)"
         )
         return 1
     worker = orphan_worker(run_dir)
@@ -498,14 +501,14 @@ def stop_run(
     if supervisor_alive(state, run_dir):
         os.kill(pid, signal.SIGKILL)
     _mark_killed(run_dir, state, f"killed by `m3run stop --force` after {grace:g}s + margin")
-    say(f"{run_dir}: killed (last complete checkpoint step {state.get('last_checkpoint_step')})")
+    say(f"{run_dir}: killed (last complete checkpoint step {state.last_checkpoint_step})")
     return 0
 
 
-def _stop_orphan(run_dir: Path, state: dict, force: bool, say: Callable[[str], None]) -> int:
+def _stop_orphan(run_dir: Path, state: RunState, force: bool, say: Callable[[str], None]) -> int:
     """The supervisor is gone; its worker may still hold worker.lock and train unsupervised."""
     worker = orphan_worker(run_dir)
-    recorded = state.get("supervisor_pid")
+    recorded = state.supervisor_pid
     if force and worker is not None:
         signal_group_of(worker, signal.SIGKILL)
         _mark_killed(
@@ -522,22 +525,25 @@ def _stop_orphan(run_dir: Path, state: dict, force: bool, say: Callable[[str], N
     )
     say(
         f"{run_dir} is not running: supervisor pid {recorded} is gone but {STATE_FILE} says "
-        f"{state.get('phase')!r} (no process born at its recorded start time holds "
+        f"{state.phase!r} (no process born at its recorded start time holds "
         f"{LOCK_FILE}: it was killed, or {STATE_FILE} is stale); nothing was signalled{orphan}"
     )
     return 1
 
 
-def _mark_killed(run_dir: Path, state: dict, reason: str) -> None:
+def _mark_killed(run_dir: Path, state: RunState, reason: str) -> None:
     """Record a forced stop the supervisor could not record itself."""
-    state = dict(state)
-    state.update(
-        phase=SupervisorPhase.STOPPED, reason=reason, worker_pid=None, updated_at=time.time()
+    state = dataclasses.replace(
+        state,
+        phase=SupervisorPhase.STOPPED,
+        reason=reason,
+        worker_pid=None,
+        updated_at=time.time(),
     )
-    atomic_write_json(Path(run_dir) / STATE_FILE, state)
+    atomic_write_json(Path(run_dir) / STATE_FILE, state.to_dict())
     append_jsonl(
         Path(run_dir) / EVENTS_FILE,
-        {"time": time.time(), "event": "stopped", "reason": reason, "forced": True},
+        {"time": time.time(), "event": SupervisorPhase.STOPPED, "reason": reason, "forced": True},
     )
 
 

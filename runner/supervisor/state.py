@@ -9,6 +9,7 @@ fails for lack of space, can still be written over the old bytes in place."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 from runner.files import RunDirWriteError, atomic_write_text
 from runner.procs import create_time
-from runner.protocol import STATE_FILE, SupervisorPhase
+from runner.protocol import STATE_FILE, RunState, SupervisorPhase
 from runner.supervisor.settings import SupervisorSettings
 
 _REFRESH_S = 2.0  # updated_at is refreshed at least this often while the supervisor watches
@@ -25,12 +26,12 @@ _RESERVE = 4096  # blank bytes after the JSON: room for a longer final state wri
 
 
 class StateFile:
-    """The dict behind state.json (`data`) and its writes."""
+    """The supervisor's RunState (`state`) and its writes to state.json."""
 
     def __init__(
         self,
         run_dir: Path,
-        prev: dict,
+        prev: RunState | None,
         settings: SupervisorSettings,
         *,
         config_hash: str | None,
@@ -39,42 +40,42 @@ class StateFile:
     ):
         self.path = run_dir / STATE_FILE
         now = time.time()
-        self.data: dict[str, Any] = {
-            "supervisor_pid": os.getpid(),
-            "supervisor_create_time": create_time(os.getpid()),
-            "worker_pid": None,
-            "worker_create_time": None,
-            "worker_started_at": None,
-            "phase": SupervisorPhase.PREFLIGHT,
-            "restarts": list(prev.get("restarts", [])),  # history across relaunches
-            "last_exit": None,
-            "reason": None,
-            "config_hash": config_hash,
-            "started_at": now,
-            "updated_at": now,
-            "last_checkpoint_step": None,
-            "peak_vram_bytes": prev.get("peak_vram_bytes"),
-            "longest_startup_s": prev.get("longest_startup_s"),
-            "heartbeat_timeout_s": settings.startup_timeout_s,
-            "stop_grace_s": settings.stop_grace_s,
-            "mirror_flush_s": settings.mirror_flush_s if settings.mirror_url else 0.0,
-            "lr_scale": lr_scale,
-            "resume": resume,
-            "run_dir": str(run_dir),
-        }
+        self.state = RunState(
+            phase=SupervisorPhase.PREFLIGHT,
+            supervisor_pid=os.getpid(),
+            supervisor_create_time=create_time(os.getpid()),
+            restarts=list(prev.restarts) if prev else [],  # history across relaunches
+            config_hash=config_hash,
+            started_at=now,
+            updated_at=now,
+            peak_vram_bytes=prev.peak_vram_bytes if prev else None,
+            longest_startup_s=prev.longest_startup_s if prev else None,
+            heartbeat_timeout_s=settings.startup_timeout_s,
+            stop_grace_s=settings.stop_grace_s,
+            mirror_flush_s=settings.mirror_flush_s if settings.mirror_url else 0.0,
+            lr_scale=lr_scale,
+            resume=resume,
+            run_dir=str(run_dir),
+        )
+        self._fields = {f.name for f in dataclasses.fields(RunState)}
         self._last_write = 0.0
 
+    def _text(self) -> str:
+        return json.dumps(self.state.to_dict(), sort_keys=True)
+
     def write(self, force: bool = False, **changes: Any) -> None:
-        """Apply `changes` and write; without changes or `force`, only when the last write is
-        older than the refresh period."""
-        self.data.update(changes)
+        """Apply `changes` (RunState fields) and write; without changes or `force`, only when
+        the last write is older than the refresh period."""
+        for name, value in changes.items():
+            if name not in self._fields:
+                raise AttributeError(f"RunState has no field {name!r}")
+            setattr(self.state, name, value)
         now = time.time()
         if not force and not changes and now - self._last_write < _REFRESH_S:
             return
-        self.data["updated_at"] = now
-        text = json.dumps(self.data, sort_keys=True)
+        self.state.updated_at = now
         try:
-            atomic_write_text(self.path, text + " " * _RESERVE, fsync=False)
+            atomic_write_text(self.path, self._text() + " " * _RESERVE, fsync=False)
         except OSError as e:
             raise RunDirWriteError.wrap(e, self.path) from e
         self._last_write = now
@@ -87,7 +88,7 @@ class StateFile:
             return True
         except RunDirWriteError:
             pass
-        text = json.dumps(self.data, sort_keys=True).encode()
+        text = self._text().encode()
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

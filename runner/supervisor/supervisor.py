@@ -59,6 +59,7 @@ from runner.protocol import (
     STATE_FILE,
     SUPERVISOR_PID_ENV,
     WORKER_LOG,
+    RunState,
     SupervisorPhase,
     WorkerPhase,
 )
@@ -112,13 +113,9 @@ class Supervisor:
         self.worker: WorkerProcess | None = None
         self._attempt = 0
 
-        prev = read_json(self.run_dir / STATE_FILE) or {}
-        self._prev_state = prev
-        longest = prev.get("longest_startup_s")
-        self.hang = HangDetector(
-            self.run_dir, settings, longest if isinstance(longest, (int, float)) else None
-        )
-        self.vram = VramWatch(settings, self.log, prev.get("peak_vram_bytes"))
+        prev = RunState.from_dict(read_json(self.run_dir / STATE_FILE))
+        self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
+        self.vram = VramWatch(settings, self.log, prev.peak_vram_bytes if prev else None)
         self.gpu = GpuWatch(gpu, settings, self.log, self.vram) if gpu is not None else None
         self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
         self.lr_cut = LrCut(self.checkpoints, settings.nan_lr_factor)
@@ -128,7 +125,7 @@ class Supervisor:
         self.state_file = StateFile(
             self.run_dir, prev, settings, config_hash=config_hash, lr_scale=lr_scale, resume=resume
         )
-        self.state = self.state_file.data
+        self.state = self.state_file.state
 
     # ----------------------------------------------------------------- public
 
@@ -154,7 +151,7 @@ class Supervisor:
             if code is not None:
                 return code
             self.checkpoints.start(self.resume)
-            self.state["last_checkpoint_step"] = self.checkpoints.last_step
+            self.state.last_checkpoint_step = self.checkpoints.last_step
             self._start_preemption_watcher()
             code = self._preflight()
             if code is None:
@@ -237,8 +234,8 @@ class Supervisor:
     # ----------------------------------------------------------------- state
 
     def _write_state(self, force: bool = False, **changes: Any) -> None:
-        self.state["peak_vram_bytes"] = self.vram.peak
-        self.state["longest_startup_s"] = self.hang.longest_startup_s
+        self.state.peak_vram_bytes = self.vram.peak
+        self.state.longest_startup_s = self.hang.longest_startup_s
         self.state_file.write(force, **changes)
 
     def _end(
@@ -293,7 +290,7 @@ class Supervisor:
             self.restarts.progress()
             if self._mirror is not None:
                 self._mirror.notify()
-        if self.checkpoints.last_step != self.state.get("last_checkpoint_step"):
+        if self.checkpoints.last_step != self.state.last_checkpoint_step:
             self._write_state(last_checkpoint_step=self.checkpoints.last_step)
 
     # ----------------------------------------------------------------- preflight
@@ -434,7 +431,7 @@ class Supervisor:
             if hb is not None and self.hang.observe(hb) and hb.vram_bytes is not None:
                 self.vram.note(hb.vram_bytes, "heartbeat")
             allowance = self.hang.allowance(hb)
-            if allowance != self.state.get("heartbeat_timeout_s"):
+            if allowance != self.state.heartbeat_timeout_s:
                 self._write_state(heartbeat_timeout_s=allowance)
             else:
                 self._write_state()  # refreshes updated_at every few seconds
@@ -502,7 +499,7 @@ class Supervisor:
                     SupervisorPhase.FINISHED,
                     EXIT_OK,
                     "worker finished the run (exit 0)",
-                    last_checkpoint_step=self.state.get("last_checkpoint_step"),
+                    last_checkpoint_step=self.state.last_checkpoint_step,
                 )
             if code == EXIT_CONFIG and out.hang is None:
                 return self._end(
@@ -528,9 +525,9 @@ class Supervisor:
         resume_step = (
             int(resume)
             if resume.isdigit()
-            else (self.state.get("last_checkpoint_step") if resume == "latest" else None)
+            else (self.state.last_checkpoint_step if resume == "latest" else None)
         )
-        self.state["restarts"].append(
+        self.state.restarts.append(
             {
                 "time": grant.time,
                 "reason": reason,
@@ -559,7 +556,7 @@ class Supervisor:
             resume=resume,
             resume_step=resume_step,
             backoff_s=grant.backoff_s,
-            restart=len(self.state["restarts"]),
+            restart=len(self.state.restarts),
             restarts_in_window=grant.in_window,
         )
         deadline = time.monotonic() + grant.backoff_s
@@ -580,7 +577,7 @@ class Supervisor:
         return None
 
     def _stop_outcome(self, out: Outcome) -> int:
-        ckpt = self.state.get("last_checkpoint_step")
+        ckpt = self.state.last_checkpoint_step
         finished = getattr(self.hang.read(), "phase", None) == WorkerPhase.FINISHED
         ending = self.stops.after_worker(out.exit_code, out.killed_after_grace, finished, ckpt)
         return self._end(*ending, last_checkpoint_step=ckpt)
