@@ -70,7 +70,7 @@ from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
 from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.state import StateFile
-from runner.supervisor.stops import StopControl
+from runner.supervisor.stops import PREEMPTED, USER, StopControl
 from runner.supervisor.worker import Outcome, WorkerArgv, WorkerProcess, reap_stale_worker
 
 _CHECKPOINT_SCAN_S = 1.0
@@ -194,7 +194,7 @@ class Supervisor:
             # A second Ctrl-C means "now"; a second SIGTERM (`m3run stop`, a container
             # runtime) waits for the save the first one started.
             self.stops.request(
-                "user",
+                USER,
                 f"received {signal.Signals(signum).name}",
                 force_on_repeat=signum == signal.SIGINT,
             )
@@ -207,7 +207,7 @@ class Supervisor:
         from runner.supervisor.preemption import start_watcher
 
         def on_stop(detail: str) -> None:
-            self.request_stop("preempted", detail)
+            self.request_stop(PREEMPTED, detail)
 
         s = self.s
         self._watcher = start_watcher(
