@@ -405,7 +405,10 @@ def prepare_data(
         ),
     ] = "gpt2",
     val_fraction: Annotated[
-        float, typer.Option("--val-fraction", help="Share of documents (by hash) for val.")
+        float,
+        typer.Option(
+            "--val-fraction", help="Share for val: of documents (hash), of tokens (tail)."
+        ),
     ] = 0.005,
     val_split: Annotated[
         str,
