@@ -1,0 +1,41 @@
+"""`m3run plot` after restarts: the data it draws goes forward in step, keeps the replayed
+steps' last records, and marks restarts, rollbacks and config changes."""
+
+from __future__ import annotations
+
+from runner.files import append_jsonl
+from runner.plot import curves, plot_run
+from runner.protocol import EVENTS_FILE, METRICS_FILE
+
+
+def _train(run_dir, steps, loss_offset: float, t0: float) -> None:
+    for s in steps:
+        append_jsonl(
+            run_dir / METRICS_FILE,
+            {"kind": "train", "step": s, "loss": 10.0 - s / 10 + loss_offset, "lr": 1e-3,
+             "grad_norm": 1.0, "tokens_per_s": 1000.0, "time": t0 + s},
+        )  # fmt: skip
+
+
+def test_a_run_resumed_from_an_earlier_step_plots_no_backward_lines(tmp_path):
+    _train(tmp_path, range(1, 41), 0.0, 1000.0)
+    # Killed at step 40, resumed from the checkpoint at 22: steps 23..40 are trained again.
+    append_jsonl(tmp_path / METRICS_FILE, {"kind": "resume", "step": 22, "time": 2000.0})
+    append_jsonl(tmp_path / EVENTS_FILE, {"event": "config_replaced", "time": 2000.5})
+    _train(tmp_path, range(23, 61), 0.5, 2000.0)
+    append_jsonl(tmp_path / METRICS_FILE, {"kind": "rollback", "step": 50, "time": 2100.0})
+    _train(tmp_path, range(51, 71), 1.0, 2100.0)
+
+    data = curves(tmp_path)
+    for key, (steps, values) in data.series.items():
+        assert steps == sorted(set(steps)), f"{key} goes back in step"
+        assert len(steps) == len(values) == 70
+    steps, losses = data.series["loss"]
+    # The replayed step's last record wins: the weights descend from it.
+    assert losses[steps.index(30)] == 10.0 - 3.0 + 0.5
+    assert losses[steps.index(55)] == 10.0 - 5.5 + 1.0
+    kinds = {(m.kind, m.step) for m in data.markers}
+    assert ("restart", 22) in kinds and ("rollback", 50) in kinds and ("config", 23) in kinds
+    (restart,) = [m for m in data.markers if m.kind == "restart"]
+    assert "back from 40" in restart.label
+    assert plot_run(tmp_path).stat().st_size > 0
