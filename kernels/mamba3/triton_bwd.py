@@ -88,13 +88,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_main_kernel(
-        qr, kr, v, z, adt, dt, trap, d, g_in, dy, dg_t,
+        qr, kr, v, z, adt, dt, trap, d, g_in, dy, dg_t, da_in,
         dqr, dkr, dv, dz, dadt, dw, dcur, dd, dg0,
         T, NC, H, P, N, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
-        """One (batch, head), chunks in reverse, carrying dG. See the module docstring."""
+        """One (batch, head), chunks in reverse, carrying dG. See the module docstring. GATED:
+        ``siso_bwd_gate_kernel`` ran first, so ``dy`` holds do (dot dtype), ``da_in`` the
+        inter-chunk decay gradient, and dz, dcur and the d partials are done."""
         i_bh = tl.program_id(0)
         i_b, i_h = i_bh // H, i_bh % H
         # (b, t, h, ·) contiguous: qr, kr, dqr, dkr (n); dy, dv, dz (p). (b, h, t): the scalars.
@@ -113,6 +115,7 @@ if triton is not None:
         adt += o_s
         dt += o_s
         trap += o_s
+        da_in += o_s
         dadt += o_s
         dw += o_s
         dcur += o_s
@@ -148,11 +151,14 @@ if triton is not None:
             b_x = load_tile(tile_ptr(v, T, P, s_vt, r0, BT, BP))
             DT = b_x.dtype
             # do = dy ⊙ silu(z), the gradient of the pre-gate output, held in the dot dtype.
-            b_do = load_tile(tile_ptr(dy, T, P, H * P, r0, BT, BP)).to(tl.float32)
-            if HAS_Z:
-                b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BP)).to(tl.float32)
-                b_do = b_do * b_z * sigmoid(b_z)
-            b_doc = b_do.to(DT)
+            if GATED:
+                b_doc = load_tile(tile_ptr(dy, T, P, H * P, r0, BT, BP))
+            else:
+                b_do = load_tile(tile_ptr(dy, T, P, H * P, r0, BT, BP)).to(tl.float32)
+                if HAS_Z:
+                    b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BP)).to(tl.float32)
+                    b_do = b_do * b_z * sigmoid(b_z)
+                b_doc = b_do.to(DT)
 
             # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
             # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
@@ -161,16 +167,18 @@ if triton is not None:
             b_S = tl.dot(b_qc, tl.trans(b_kc))
             b_Mc = (b_S * b_Dw).to(DT)
             b_dS = tl.dot(b_doc, tl.trans(b_x))
-            b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
-            b_dD += tl.sum(b_dox, axis=0)
+            if not GATED:
+                b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
+                b_dD += tl.sum(b_dox, axis=0)
             b_dS = b_dS * b_Dw
             b_MdM = tl.where(m_strict, b_S * b_dS, 0.0)
             b_dA = tl.sum(b_MdM, axis=1)
             b_MdM = tl.sum(b_MdM, axis=0)
             b_dA -= b_MdM
             b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
-            b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
-            tl.store(dcur + o_tc, b_qk * b_dox, mask=m_t)
+            if not GATED:
+                b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
+                tl.store(dcur + o_tc, b_qk * b_dox, mask=m_t)
             b_dSc = b_dS.to(DT)
 
             # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
@@ -178,12 +186,15 @@ if triton is not None:
             # dq̄ = dS k̄ + exp(A) ⊙ do G_in.
             p_gi = g_in + (i_bh.to(tl.int64) * NC + i_c) * BP * 2 * BN2
             b_Gc = load_tile(tile_ptr(p_gi, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
-            b_qG = tl.dot(b_qc, tl.trans(b_Gc))
-            b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
+            if GATED:
+                b_dA += tl.load(da_in + o_tc, mask=m_t, other=0.0)
+            else:
+                b_qG = tl.dot(b_qc, tl.trans(b_Gc))
+                b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
             b_dAL = b_eAL * tl.sum(tl.sum(b_dG * b_Gc.to(tl.float32), axis=1), axis=0)
             b_dq = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
             store_tile(tile_ptr(dqr, T, N, H * N, r0, BT, 2 * BN2), b_dq)
-            if HAS_Z:  # the pre-gate output, for dz
+            if HAS_Z and not GATED:  # the pre-gate output, for dz
                 b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
                 if HAS_D:
                     b_xr = load_tile(tile_ptr(v, T, P, s_vt, r0, BT, BP))
@@ -217,7 +228,72 @@ if triton is not None:
             b_doA = (b_doc.to(tl.float32) * b_eA[:, None]).to(DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, 0, BP, 2 * BN2), b_dG)
-        tl.store(dd + i_bh, b_dD)
+        if not GATED:
+            tl.store(dd + i_bh, b_dD)
+
+    @triton.jit(do_not_specialize=["T", "NC"])
+    def siso_bwd_gate_kernel(
+        qr, kr, v, z, adt, dt, trap, d, g_in, dy,
+        do_out, dz, dcur, da_in, dd,
+        T, NC, H, P, N, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    ):  # fmt: skip
+        """Chunk i_c of one (batch, head), no state across chunks: what of the main kernel needs
+        no dG, taken out of its sequential loop when the plan says so. do = dy ⊙ silu(z) (dot
+        dtype, for the main kernel), dz (recomputing the pre-gate output), dcur, the
+        inter-chunk decay gradient exp(A_i)·do_i·(G_in q̄_i) and the d partial sum."""
+        i_c, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = i_bh // H, i_bh % H
+        o_n_base = (i_b.to(tl.int64) * T * H + i_h) * N
+        o_p_base = (i_b.to(tl.int64) * T * H + i_h) * P
+        qr += o_n_base
+        kr += o_n_base
+        dy += o_p_base
+        do_out += o_p_base
+        dz += o_p_base
+        v += i_b.to(tl.int64) * s_vb + i_h * s_vh
+        z += i_b.to(tl.int64) * s_zb + i_h * s_zh
+        o_s = i_bh.to(tl.int64) * T
+        o_t = tl.arange(0, BT)
+        o_tc = i_c * BT + o_t
+        m_t = o_tc < T
+        r0 = i_c * BT
+        m_strict = o_t[:, None] > o_t[None, :]
+        m_diag = o_t[:, None] == o_t[None, :]
+        _, b_cur, b_w, b_A2, _ = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T, o_tc, m_t,
+                                               o_t, BT)  # fmt: skip
+        b_eA = tl.exp2(b_A2)
+        b_qc = load_tile(tile_ptr(qr, T, N, H * N, r0, BT, 2 * BN2))
+        b_kc = load_tile(tile_ptr(kr, T, N, H * N, r0, BT, 2 * BN2))
+        b_x = load_tile(tile_ptr(v, T, P, s_vt, r0, BT, BP))
+        DT = b_x.dtype
+        b_dy = load_tile(tile_ptr(dy, T, P, H * P, r0, BT, BP)).to(tl.float32)
+        if HAS_Z:
+            b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BP)).to(tl.float32)
+            b_sg = sigmoid(b_z)
+            b_doc = (b_dy * b_z * b_sg).to(DT)
+        else:
+            b_doc = b_dy.to(DT)
+        store_tile(tile_ptr(do_out, T, P, H * P, r0, BT, BP), b_doc)
+        b_dox = tl.sum(b_doc.to(tl.float32) * b_x.to(tl.float32), axis=1)  # do_j·x_j
+        tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
+
+        b_S = tl.dot(b_qc, tl.trans(b_kc))
+        b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j
+        tl.store(dcur + o_s + o_tc, b_qk * b_dox, mask=m_t)
+        p_gi = g_in + (i_bh.to(tl.int64) * NC + i_c) * BP * 2 * BN2
+        b_Gc = load_tile(tile_ptr(p_gi, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
+        b_qG = tl.dot(b_qc, tl.trans(b_Gc))
+        b_dA = b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
+        tl.store(da_in + o_s + o_tc, b_dA, mask=m_t)
+        if HAS_Z:
+            b_Dw = decay_weights(b_A2, b_w, b_cur, m_strict, m_diag)
+            b_o = tl.dot((b_S * b_Dw).to(DT), b_x) + b_eA[:, None] * b_qG
+            if HAS_D:
+                b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
+            b_dz = b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg)) * b_o
+            store_tile(tile_ptr(dz, T, P, H * P, r0, BT, BP), b_dz)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_post_kernel(
@@ -323,7 +399,8 @@ if triton is not None:
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
-             dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig]):  # fmt: skip
+             dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig],
+             split_gate: bool = False):  # fmt: skip
     """Launch the four kernels. Returns the gradients of every input of the forward kernel:
     dq, dk (b, t, g, n) fp32, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd (h,),
     dphi0 (b, h, s), dg0 (b, h, p, n)."""
@@ -349,18 +426,29 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
     dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
     dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
-    dd = torch.empty(b, h, **f32)
     dg0 = torch.empty(b, h, p, n, **f32)
     zz = z if z is not None else v
+    dz_ = dz if dz is not None else dv
+    d_ = d if d is not None else q_bias
+    dims = (t, nc, h, p, n, v.stride(0), v.stride(1), v.stride(2),
+            zz.stride(0), zz.stride(1), zz.stride(2))  # fmt: skip
+    if split_gate:
+        do = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
+        da_in = torch.empty(b, h, t, **f32)
+        dd = torch.empty(b, nc, h, **f32)
+        args = (qr, kr, v, zz, adt, dt, trap, d_, g_in, dy, do, dz_, dcur, da_in, dd, *dims)
+        flags = dict(BT=BT, BP=BP, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None)
+        launch("bwd_gate", siso_bwd_gate_kernel, (nc, b * h), args, flags, cfgs["bwd_gate"])
+        dy = do
+    else:
+        da_in = dadt  # never read
+        dd = torch.empty(b, h, **f32)
     args = (
-        qr, kr, v, zz, adt, dt, trap, d if d is not None else q_bias, g_in, dy,
-        dg_t if dg_t is not None else dg0,
-        dqr, dkr, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dg0,
-        t, nc, h, p, n, v.stride(0), v.stride(1), v.stride(2),
-        zz.stride(0), zz.stride(1), zz.stride(2),
+        qr, kr, v, zz, adt, dt, trap, d_, g_in, dy, dg_t if dg_t is not None else dg0, da_in,
+        dqr, dkr, dv, dz_, dadt, dw, dcur, dd, dg0, *dims,
     )  # fmt: skip
     flags = dict(BT=BT, BP=BP, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None,
-                 HAS_DGT=dg_t is not None)  # fmt: skip
+                 HAS_DGT=dg_t is not None, GATED=split_gate)  # fmt: skip
     launch("bwd_main", siso_bwd_main_kernel, (b * h,), args, flags, cfgs["bwd_main"])
     del qr, kr
 
@@ -396,6 +484,6 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
     dw_prev = F.pad(dw[..., :-1], (1, 0))
     ddt = ddt + lam * (dw + dcur) + (1.0 - lam) * dw_prev
     dtrap = dt * (dw + dcur - dw_prev) * lam * (1.0 - lam)
-    dd_h = dd.sum(0) if d is not None else None
+    dd_h = dd.sum(tuple(range(dd.dim() - 1))) if d is not None else None
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_h,
             dphi0, dg0)  # fmt: skip

@@ -79,7 +79,7 @@ class Tiles:
 
 # --- launch configurations -------------------------------------------------------------------
 
-KERNELS = ("fwd", "bwd_prep", "bwd_main", "bwd_post", "bwd_angle")
+KERNELS = ("fwd", "bwd_prep", "bwd_gate", "bwd_main", "bwd_post", "bwd_angle")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,7 @@ class LaunchConfig:
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "fwd": LaunchConfig(num_warps=4, num_stages=2),
     "bwd_prep": LaunchConfig(num_warps=4, num_stages=2),
+    "bwd_gate": LaunchConfig(num_warps=4, num_stages=2),
     "bwd_main": LaunchConfig(num_warps=4, num_stages=1),
     "bwd_post": LaunchConfig(num_warps=4, num_stages=2),
     "bwd_angle": LaunchConfig(num_warps=4, num_stages=2),
@@ -133,10 +134,13 @@ _fallback_logged: set[tuple[str, str]] = set()
 @dataclass(frozen=True)
 class Plan:
     """How one call runs: the chunk the kernels use (the result does not depend on it beyond
-    rounding, so the table may pick another than the caller's) and each kernel's launch."""
+    rounding, so the table may pick another than the caller's), each kernel's launch, and
+    whether the backward's gate work (do, dz, dcur, the inter-chunk decay term) runs in its own
+    chunk-parallel kernel before the sequential main kernel (same numbers either way)."""
 
     chunk: int
     configs: dict[str, LaunchConfig]
+    split_gate: bool = False
 
 
 def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
@@ -161,7 +165,7 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
         return Plan(chunk_size, dict(DEFAULT_CONFIGS))
     configs = {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
                for name in KERNELS}  # fmt: skip
-    return Plan(int(entry.get("chunk", chunk_size)), configs)
+    return Plan(int(entry.get("chunk", chunk_size)), configs, bool(entry.get("split_gate", False)))
 
 
 # --- jit helpers shared by the forward and the backward --------------------------------------

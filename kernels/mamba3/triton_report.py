@@ -129,7 +129,7 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, 
 
 
 def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
-                    cfgs: dict[str, tc.LaunchConfig] | None = None):  # fmt: skip
+                    cfgs: dict[str, tc.LaunchConfig] | None = None, split_gate=False):  # fmt: skip
     """Run the forward and backward launchers on meta tensors; returns every launch they make as
     (name, kernel, args, constexprs, cfg), with d, z and an initial state present."""
     from .triton_bwd import siso_bwd
@@ -152,18 +152,19 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
                                          phi0, g0, chunk_size, True, cfgs["fwd"])  # fmt: skip
         dg_t, dphi_t = torch.empty(b, h, p, n, **m), torch.empty(b, h, s, **m)
         siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in, dy,
-                 dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
+                 dg_t, dphi_t, chunk_size, cfgs, split_gate)  # fmt: skip
     finally:
         tc.set_recorder(None)
     return launches
 
 
-def report(
-    arch: int, cfgs: dict[str, tc.LaunchConfig] | None = None, **shape
-) -> list[KernelReport]:
-    """Compile every kernel of one forward+backward for ``sm_<arch>``; one report per kernel."""
+def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
+    """Compile every kernel of one forward+backward under ``plan`` for ``sm_<arch>``; one report
+    per kernel."""
     out = []
-    for name, kern, args, ce, cfg in record_launches(cfgs=cfgs, **shape):
+    launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
+                               split_gate=plan.split_gate, **shape)  # fmt: skip
+    for name, kern, args, ce, cfg in launches:
         ck = compile_kernel(kern, args, ce, cfg, arch)
         res = _ptxas(ck.asm["ptx"], arch)
         out.append(KernelReport(name, arch, cfg, shared=ck.metadata.shared, **res))
@@ -176,17 +177,19 @@ def table_plans() -> list[tuple[str, dict, tc.Plan]]:
     from .launch_table import TABLE
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    out = [("defaults", dict(p=64, n=64, dtype=torch.bfloat16),
-            tc.Plan(64, dict(tc.DEFAULT_CONFIGS)))]  # fmt: skip
+    bench = dict(p=64, n=64, dtype=torch.bfloat16)
+    defaults = dict(tc.DEFAULT_CONFIGS)
+    out = [("defaults", bench, tc.Plan(64, defaults)),
+           ("defaults, gate split", bench, tc.Plan(64, defaults, True))]  # fmt: skip
     seen = set()
     for arch, keys in sorted(TABLE.items()):
         for key, entry in sorted(keys.items()):
             _, p, n, dtype = key.split("-")
             configs = {name: tc.LaunchConfig(**entry[name]) if name in entry else
                        tc.DEFAULT_CONFIGS[name] for name in tc.KERNELS}  # fmt: skip
-            plan = tc.Plan(int(entry.get("chunk", 64)), configs)
+            plan = tc.Plan(int(entry.get("chunk", 64)), configs, bool(entry.get("split_gate")))
             shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
-            ident = (plan.chunk, tuple(sorted((k, v) for k, v in configs.items())), p, n, dtype)
+            ident = (plan.chunk, plan.split_gate, tuple(sorted(configs.items())), p, n, dtype)
             if ident not in seen:
                 seen.add(ident)
                 out.append((f"{arch} {key} (chunk {plan.chunk})", shape, plan))
@@ -201,7 +204,7 @@ def main() -> None:
     a = ap.parse_args()
     for name, shape, plan in table_plans():
         for arch in a.arch:
-            for r in report(arch, cfgs=plan.configs, chunk_size=plan.chunk, **shape):
+            for r in report(arch, plan, **shape):
                 print(f"{name}: {r.line()}")
 
 

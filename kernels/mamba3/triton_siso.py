@@ -43,9 +43,10 @@ class SisoTriton(torch.autograd.Function):
         dphi_t = dphi_t.float().contiguous()
         if dg_t is not None:
             dg_t = dg_t.float().contiguous()
+        plan = ctx.plan
         (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd, dphi0,
          dg0) = siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
-                         dy, dg_t, dphi_t, ctx.plan.chunk, ctx.plan.configs)  # fmt: skip
+                         dy, dg_t, dphi_t, plan.chunk, plan.configs, plan.split_gate)  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dz, dadt, ddt, dtrap,
             dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,

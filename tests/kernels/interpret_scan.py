@@ -41,29 +41,20 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``post_bv``: a launch plan other than the defaults (kernels at another chunk
-# than the caller's; the post kernel in blocks of heads).
+# ``kernel_chunk`` / ``post_bv`` / ``split_gate``: a launch plan other than the defaults (kernels
+# at another chunk than the caller's; the post kernel in blocks of heads; the gate kernel).
 CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
-    dict(
-        b=1,
-        t=90,
-        h=5,
-        p=16,
-        n=16,
-        s=4,
-        g=1,
-        chunk=64,
-        state=True,
-        d=True,
-        z=True,
-        kernel_chunk=32,
-        post_bv=2,
-    ),
+    dict(b=1, t=90, h=5, p=16, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
+         kernel_chunk=32, post_bv=2),
     dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True),
+    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True,
+         split_gate=True),
+    dict(b=1, t=40, h=2, p=16, n=16, s=4, g=1, chunk=16, state=False, d=False, z=False,
+         split_gate=True),
     dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True),
     dict(b=1, t=64, h=2, p=16, n=16, s=8, g=2, chunk=32, state=False, d=True, z=False),
-]
+]  # fmt: skip
 
 
 def inputs(b, t, h, p, n, s, g, d, z, gen):
@@ -101,7 +92,8 @@ def main() -> None:
     for case in CASES:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
-        plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
+        plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS),
+                       c.pop("split_gate", False))  # fmt: skip
         if "post_bv" in c:
             post = tc.DEFAULT_CONFIGS["bwd_post"]
             plan.configs["bwd_post"] = tc.LaunchConfig(post.num_warps, post.num_stages,

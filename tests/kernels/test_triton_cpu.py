@@ -42,7 +42,7 @@ def test_every_launch_configuration_fits_the_architecture(arch):
     sm_90's shared memory and registers; the spills are printed (pytest -s) for the record."""
     errors = []
     for name, shape, plan in triton_report.table_plans():
-        for rep in triton_report.report(arch, cfgs=plan.configs, chunk_size=plan.chunk, **shape):
+        for rep in triton_report.report(arch, plan, **shape):
             print(f"{name}: {rep.line()}")
             err = rep.fit_error()
             if err:
