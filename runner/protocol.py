@@ -200,6 +200,8 @@ class Heartbeat:
     grad_norm: float | None = None
     tokens_per_s: float | None = None
     mfu: float | None = None
+    # The FLOP/s the MFU is a fraction of (the GPU's nominal dense bf16 peak, or M3RUN_PEAK_FLOPS).
+    mfu_peak_flops: float | None = None
     vram_bytes: int | None = None
     step_time_s: float | None = None
     checkpoint_time_s: float | None = None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.files import append_jsonl, atomic_write_json, lock_holder, read_json
-from runner.procs import owns_lock, process_matches, signal_group_of
+from runner.procs import owns_lock, process_matches, signal_group_of, tail_text
 from runner.protocol import (
     ACTIVE_PHASES,
     CHECKPOINTS_DIR,
@@ -228,8 +228,10 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     step = pick("step")
     total = hb.total_steps if hb is not None else None
     step_time = hb.step_time_s if hb is not None else None
-    eta = None
-    if all(isinstance(v, (int, float)) for v in (step, total, step_time)) and total >= step:
+    phase = effective_phase(state) if state else None
+    eta = None  # only while a worker trains: a stopped or finished run has none
+    numbers = all(isinstance(v, (int, float)) for v in (step, total, step_time))
+    if phase == SupervisorPhase.RUNNING and numbers and total >= step:
         eta = (total - step) * step_time
     last_ckpt = state.last_checkpoint_step
     if last_ckpt is None:
@@ -239,7 +241,7 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     status = {
         "run_dir": str(run_dir),
         "state_problem": state_problem(run_dir),
-        "phase": effective_phase(state) if state else None,
+        "phase": phase,
         "recorded_phase": state.phase,
         "reason": state.reason,
         "worker_phase": hb.phase if hb is not None else None,
@@ -251,6 +253,7 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
         "grad_norm": pick("grad_norm"),
         "tokens_per_s": pick("tokens_per_s"),
         "mfu": pick("mfu"),
+        "mfu_peak_flops": pick("mfu_peak_flops"),
         "eta_s": eta,
         "heartbeat_age_s": heartbeat_age(hb, now),
         "heartbeat_timeout_s": state.heartbeat_timeout_s,
@@ -271,9 +274,23 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     from runner.supervisor.mirror import read_lag
 
     status["mirror"] = read_lag(run_dir)  # None without a checkpoint mirror
+    if phase == SupervisorPhase.FAILED:
+        status["error"] = _error_tail(run_dir)
     if gpu:
         status["gpu"] = _gpu_snapshot()
     return status
+
+
+def _error_tail(run_dir: Path, lines: int = 8) -> list[str]:
+    """The end of the worker's error output: from its last `error:` line on, else the last
+    few lines of worker.log."""
+    try:
+        tail = tail_text(Path(run_dir) / WORKER_LOG, 200).splitlines()
+    except OSError:
+        return []
+    starts = [i for i, line in enumerate(tail) if line.startswith("error:")]
+    picked = tail[starts[-1] :] if starts else tail[-lines:]
+    return picked[:lines]
 
 
 def _gpu_snapshot() -> list[dict] | dict | None:
@@ -355,27 +372,41 @@ def _fmt_bytes(n: Any) -> str:
 
 
 def format_status(st: dict) -> str:
-    """Human-readable status block."""
+    """Human-readable status block. Rows with nothing to say (VRAM and MFU on CPU, the ETA of
+    a run that is not training) are left out."""
     step = st["step"] if st["step"] is not None else "-"
     total = st["total_steps"] if st["total_steps"] is not None else "-"
+    eta = f"   ETA {format_duration(st['eta_s'])}" if st.get("eta_s") is not None else ""
+    speed = f"speed      {_fmt_num(st['tokens_per_s'], ',.0f')} tok/s"
+    if isinstance(st.get("mfu"), (int, float)):
+        speed += f"   MFU {st['mfu']:.1%}"
+        if isinstance(st.get("mfu_peak_flops"), (int, float)):
+            speed += f" of {st['mfu_peak_flops'] / 1e12:.0f} TFLOP/s"
     lines = [
         f"run        {st['run_dir']}",
         f"phase      {st['phase'] or st.get('state_problem') or 'never launched'}"
         + (f"  ({st['reason']})" if st.get("reason") else ""),
-        f"step       {step}/{total}   ETA {format_duration(st['eta_s'])}",
+        f"step       {step}/{total}{eta}",
         f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
         f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
-        f"speed      {_fmt_num(st['tokens_per_s'], ',.0f')} tok/s   MFU "
-        + (f"{st['mfu']:.1%}" if isinstance(st["mfu"], (int, float)) else "-"),
+        speed,
         f"heartbeat  {_fmt_num(st['heartbeat_age_s'], '.1f')}s ago "
         f"(worker phase {st['worker_phase'] or '-'}, allowance "
         f"{_fmt_num(st['heartbeat_timeout_s'], '.0f')}s)",
-        f"vram       {_fmt_bytes(st['vram_bytes'])} (peak {_fmt_bytes(st['peak_vram_bytes'])})",
-        f"checkpoint last complete step {st['last_checkpoint_step'] if st['last_checkpoint_step'] is not None else '-'}",  # noqa: E501
+    ]
+    if st.get("vram_bytes") is not None or st.get("peak_vram_bytes") is not None:
+        lines.append(
+            f"vram       {_fmt_bytes(st['vram_bytes'])} (peak {_fmt_bytes(st['peak_vram_bytes'])})"
+        )
+    last = st["last_checkpoint_step"]
+    lines += [
+        f"checkpoint last complete step {last if last is not None else '-'}",
         f"pids       supervisor {st['supervisor_pid'] or '-'}"
         f"{'' if st['supervisor_alive'] else ' (not running)'}, worker {st['worker_pid'] or '-'}"
         f"{'' if st['worker_alive'] else ' (not running)'}",
     ]
+    if st.get("error"):
+        lines.append("error      " + "\n           ".join(st["error"]))
     if st.get("mirror"):
         from runner.supervisor.mirror import format_lag
 

@@ -5,6 +5,7 @@ process or detached in the background."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from runner.checkpoint.layout import list_checkpoints
 from runner.config import ConfigError, config_hash, load_config
 from runner.files import (
     PidLock,
@@ -36,6 +38,7 @@ from runner.protocol import (
     SUPERVISOR_LOG,
     WORKER_EXIT_GLOB,
 )
+from runner.schedule import lr_at
 from runner.supervisor.preflight import NvmlProbe, SmokeTest
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.supervisor import Supervisor
@@ -105,6 +108,22 @@ def check_resume(value: str) -> str:
     )
 
 
+def _schedule_jump(run_dir: Path, old: Any, new: Any) -> str | None:
+    """What a replaced config does to the learning rate where the run resumes (extending a
+    finished run with a larger train.total_steps restarts the decay from a higher LR)."""
+    complete = [c for c in list_checkpoints(run_dir, verify=False) if c.complete]
+    if not complete:
+        return None
+    step = complete[-1].step
+    before, after = lr_at(old, step + 1), lr_at(new, step + 1)
+    if math.isclose(before, after, rel_tol=1e-6):
+        return None
+    return (
+        f"the learning-rate schedule changes under the run: at step {step + 1}, where it "
+        f"resumes, the LR jumps from {before:.3g} (the frozen config) to {after:.3g}"
+    )
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
@@ -152,6 +171,9 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
                     "replace the frozen config",
                     EXIT_CONFIG,
                 )
+            jump = _schedule_jump(opts.run_dir, old, cfg)
+            if jump:
+                print(f"m3run launch: warning: {jump}", file=sys.stderr)
             append_jsonl(
                 opts.run_dir / EVENTS_FILE,
                 {

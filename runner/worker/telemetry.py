@@ -4,6 +4,7 @@ experiment tracker (wandb, when WANDB_PROJECT is set) and the MFU estimate."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -25,8 +26,37 @@ from .dist import Dist
 _BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
 
 
+class Pace:
+    """Recent wall time per step, evals and saves included, for the ETA. The first logged
+    window (compilation, autotuning, a cold page cache) is dropped once a later one exists, and
+    only the last few windows count: an ETA from the mean since the start would read 13 h at
+    step 5 of a 20-minute run."""
+
+    WINDOWS = 8
+
+    def __init__(self) -> None:
+        self._windows: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=self.WINDOWS + 1
+        )
+
+    def add(self, wall_s: float, steps: int) -> None:
+        if steps > 0:
+            self._windows.append((wall_s, steps))
+
+    def eta_s(self, steps_left: int) -> float:
+        windows = list(self._windows)
+        if len(windows) > 1:
+            windows = windows[1:]
+        wall = sum(w for w, _ in windows)
+        steps = sum(n for _, n in windows)
+        return wall / steps * steps_left if steps else float("nan")
+
+
 def peak_flops(device: torch.device) -> float | None:
-    """The MFU denominator: M3RUN_PEAK_FLOPS, else the table above; None on CPU or unknown GPUs."""
+    """The MFU denominator, recorded beside every MFU as `mfu_peak_flops`: M3RUN_PEAK_FLOPS
+    (e.g. a measured matmul peak), else the GPU's nominal dense bf16 peak from the table above;
+    None on CPU or unknown GPUs. bench/ reports MFU against the measured peak, so set
+    M3RUN_PEAK_FLOPS to that value to compare the two."""
     if device.type != "cuda":
         return None
     if os.environ.get("M3RUN_PEAK_FLOPS"):
@@ -111,6 +141,7 @@ class Telemetry:
             grad_norm=self.last.get("grad_norm"),
             tokens_per_s=self.last.get("tokens_per_s"),
             mfu=self.last.get("mfu"),
+            mfu_peak_flops=self.peak_flops,
             vram_bytes=vram,
             step_time_s=self.step_time_s,
             checkpoint_time_s=saves.checkpoint_time_s,
@@ -154,6 +185,7 @@ class Telemetry:
             "grad_norm": out["grad_norm"],
             "tokens_per_s": tps,
             "mfu": mfu,
+            "mfu_peak_flops": self.peak_flops,
             "tokens_seen": tokens_seen,
             "time": time.time(),
         }

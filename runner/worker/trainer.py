@@ -19,6 +19,7 @@ from runner.data.loader import WindowStream, check_vocab, eval_batches
 from runner.data.mixture import train_loader
 from runner.files import PidLock
 from runner.protocol import EXIT_OK, WorkerPhase
+from runner.schedule import lr_at
 
 from .build import (
     autocast,
@@ -34,8 +35,7 @@ from .dist import Dist
 from .faults import Faults
 from .ownership import claim_run_dir
 from .resume import Resume
-from .schedule import lr_at
-from .telemetry import Telemetry
+from .telemetry import Pace, Telemetry
 
 
 class NaNExcursion(RuntimeError):
@@ -286,7 +286,7 @@ class Trainer:
         bad_streak: list[int] = []
         # Step time excludes evals and checkpoint saves (they are reported on their own).
         window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
-        run_t0, run_step0 = time.perf_counter(), self.step
+        pace = Pace()
         while self.step < t.total_steps:
             saves.poll_save()  # a finished background save is reported, a failed one raised
             if self._stop_agreed():
@@ -314,8 +314,9 @@ class Trainer:
             if self.step % cfg.log.interval_steps == 0 or self.step == t.total_steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - window_t0 - paused
-                run_rate = (time.perf_counter() - run_t0) / max(1, self.step - run_step0)
+                wall = time.perf_counter() - window_t0
+                elapsed = wall - paused
+                pace.add(wall, window_steps)
                 telemetry.log_train(
                     self.step,
                     out,
@@ -324,7 +325,7 @@ class Trainer:
                     tokens_seen=self.tokens_seen,
                     tokens_by_source=self.loader.tokens_by_source(),
                     n_params=self.n_params,
-                    eta_s=run_rate * (t.total_steps - self.step),
+                    eta_s=pace.eta_s(t.total_steps - self.step),
                 )
                 window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
             t_aside = time.perf_counter()

@@ -547,3 +547,17 @@ def torch_zeros():
     import torch
 
     return torch.zeros(4)
+
+
+def test_status_of_a_failed_cpu_run_shows_its_error_and_no_gpu_rows(tmp_path):
+    run_dir = write_run(
+        tmp_path / "r", phase="failed", reason="worker exit 78: bad config", peak_vram_bytes=None
+    )
+    cpu_beat = {"phase": "failed", "step": 3, "total_steps": 10, "step_time_s": 0.5}
+    (run_dir / HEARTBEAT_FILE).write_text(json.dumps({**cpu_beat, "ts": time.time()}))
+    (run_dir / WORKER_LOG).write_text(
+        "step 3/10 | loss 5.0\nerror: token ids out of range in shard-00001.bin\nFix: re-run\n"
+    )
+    out = invoke("status", run_dir, "--no-gpu").output
+    assert "error: token ids out of range in shard-00001.bin" in out
+    assert "ETA" not in out and "vram" not in out and "MFU" not in out, out

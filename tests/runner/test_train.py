@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from runner.checkpoint.layout import latest_complete, list_checkpoints
 from runner.config import load_config
 from runner.files import read_jsonl
-from runner.worker.schedule import lr_at
+from runner.schedule import lr_at
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""The learning-rate schedule: linear warmup, then cosine or WSD decay."""
+"""The learning-rate schedule: linear warmup, then cosine or WSD decay. Torch-free: the worker
+trains by it, and a relaunch that changes it says what the learning rate jumps from and to."""
 
 from __future__ import annotations
 
