@@ -6,9 +6,11 @@ a user stop (the node is going away)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from runner.files import read_json
 from runner.procs import describe_exit
@@ -57,6 +59,25 @@ class StopControl:
                 self.repeats += 1
             if kind == PREEMPTED:
                 self.kind, self.detail = kind, detail
+
+    def install_signal_handlers(self) -> dict:
+        """SIGTERM, SIGINT and SIGHUP become user stop requests (main thread only); returns the
+        handlers they replaced, for the caller to restore."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, _frame: Any) -> None:
+            # A second Ctrl-C means "now"; a second SIGTERM (`m3run stop`, a container
+            # runtime) waits for the save the first one started.
+            self.request(
+                USER,
+                f"received {signal.Signals(signum).name}",
+                force_on_repeat=signum == signal.SIGINT,
+            )
+
+        return {
+            s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        }
 
     def grace(self) -> float:
         """stop_grace_s, shortened by a recent `m3run stop --grace S` request."""

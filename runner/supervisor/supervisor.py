@@ -41,7 +41,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,7 @@ from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
 from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.state import StateFile
-from runner.supervisor.stops import PREEMPTED, USER, StopControl
+from runner.supervisor.stops import PREEMPTED, StopControl
 from runner.supervisor.worker import Outcome, WorkerArgv, WorkerProcess, reap_stale_worker
 
 _CHECKPOINT_SCAN_S = 1.0
@@ -136,7 +135,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Preflight, then supervise until the run ends. Returns the supervisor's exit code."""
-        old_handlers = self._install_signal_handlers() if self.handle_signals else {}
+        old_handlers = self.stops.install_signal_handlers() if self.handle_signals else {}
         try:
             self._write_state(force=True)
             reap_stale_worker(self.run_dir, self.s.stop_grace_s, self.log)
@@ -185,23 +184,6 @@ class Supervisor:
             self.log.close()
 
     # ----------------------------------------------------------------- signals & preemption
-
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum: int, _frame: Any) -> None:
-            # A second Ctrl-C means "now"; a second SIGTERM (`m3run stop`, a container
-            # runtime) waits for the save the first one started.
-            self.stops.request(
-                USER,
-                f"received {signal.Signals(signum).name}",
-                force_on_repeat=signum == signal.SIGINT,
-            )
-
-        return {
-            s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        }
 
     def _start_preemption_watcher(self) -> None:
         from runner.supervisor.preemption import start_watcher

@@ -1,0 +1,48 @@
+"""The run configuration: one typed, validated schema for a whole training run.
+
+A run is described by a YAML file with one mapping per section::
+
+    model:      {preset: tiny, d_model: 96}   # a ModelConfig; `preset` expands, other keys override
+    train:      {total_steps: 300, micro_batch_size: 8, lr: 3.0e-3, warmup_steps: 30, ...}
+    data:       {train_path: runs/demo-data/train, seq_len: 256, ...}
+    checkpoint: {interval_steps: 50}
+    eval / log / supervisor: optional, every key has a default
+
+`load_config(path, overrides)` reads, applies ``section.key=value`` overrides and validates;
+every problem comes back as one `ConfigError` whose lines name the key, the bad value and the
+fix. `RunConfig.to_yaml()` writes the fully resolved config (every field, the preset name kept)
+and loading that text gives an equal config; `config_hash` fingerprints it.
+
+This module must stay torch-free: the supervisor and the light CLI commands import it.
+"""
+
+from runner.config.loading import apply_overrides, config_hash, load_config, parse_config
+from runner.config.schema import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    DataSourceConfig,
+    DistributedConfig,
+    EvalConfig,
+    LogConfig,
+    RunConfig,
+    SupervisorConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DataSourceConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "LogConfig",
+    "RunConfig",
+    "SupervisorConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "load_config",
+    "parse_config",
+]
