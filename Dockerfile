@@ -5,49 +5,73 @@
 #   docker run --gpus all --shm-size 16g --stop-timeout 300 \
 #       -v /srv/m3run/data:/data -v /srv/m3run/runs:/runs m3run
 #
-# Any pytorch/pytorch *-runtime tag (or an NGC PyTorch image) with torch >= 2.11 works; the
-# build fails if its torch is not a CUDA build or has no Triton.
-ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+# BASE_IMAGE: any pytorch/pytorch *-runtime tag (or an NGC PyTorch image) with torch >= 2.11
+# works; the build fails if its torch is not a CUDA build or has no Triton. The default is pinned
+# by digest, so a rebuild gets the same base even after the tag is moved. It is the tag
+#   pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+# (to move on: `docker buildx imagetools inspect pytorch/pytorch:<tag>` prints the new digest).
+ARG BASE_IMAGE=pytorch/pytorch@sha256:eee11b3b3872a8c838e35ef48f08b2d5def2080902c7f666831310ca1a0ef2be
 FROM ${BASE_IMAGE}
+
+# A failing command on the left of a pipe fails the build.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # tini: PID 1 that forwards signals to its one child and reaps orphaned zombies.
 # gcc/g++/libc6-dev: Triton and torch.compile build small host-side launchers with the system
 # compiler at first use; runtime images do not ship one.
+# The versions are those of the base image's Ubuntu release, which the digest above fixes.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends tini gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
-# Install the project as a package. The constraint pins torch to the base image's own build, so
-# pip fails instead of replacing it with a PyPI wheel. s3fs/gcsfs: checkpoint.mirror_url backends.
-COPY . /tmp/m3run-src
-RUN python -c "import torch, triton; print(f'torch=={torch.__version__}')" > /tmp/keep-torch.txt \
- && pip install --no-cache-dir --constraint /tmp/keep-torch.txt /tmp/m3run-src "s3fs>=2024.2" "gcsfs>=2024.2" \
- && python -c "import torch, triton, runner.cli; assert torch.version.cuda, 'base image torch is not a CUDA build'" \
- && mkdir -p /opt/m3run \
- && cp -r /tmp/m3run-src/configs /opt/m3run/configs \
- && install -m 0755 /tmp/m3run-src/docker/entrypoint /usr/local/bin/m3run-entrypoint \
- && rm -rf /tmp/m3run-src /tmp/keep-torch.txt
-
-# The unprivileged user (uid/gid 1000, which compose and the Kubernetes Job assume) owns the two
+# The unprivileged user (uid/gid 1000, which compose and the Kubernetes Jobs assume) owns the two
 # volumes; a uid-1000 user the base image may ship (Ubuntu 24.04's `ubuntu`) makes way for it.
 # ./runs in the working directory points at /runs, so `m3run status` with no argument finds it.
 RUN if getent passwd 1000 >/dev/null; then userdel --remove "$(getent passwd 1000 | cut -d: -f1)"; fi \
  && if getent group 1000 >/dev/null; then groupdel "$(getent group 1000 | cut -d: -f1)"; fi \
  && groupadd --gid 1000 m3run \
  && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash m3run \
- && mkdir -p /data /runs \
- && chown m3run:m3run /data /runs \
+ && mkdir -p /data /runs /opt/m3run \
+ && chown 1000:1000 /data /runs \
  && ln -s /runs /opt/m3run/runs
 
-# Compile caches on the runs volume survive container restarts (no recompilation after a
-# preemption); the tiktoken cache on the data volume survives for `prepare-data`.
+# Dependencies first, from pyproject.toml alone: a change to the code reuses this layer and only
+# the layer below reinstalls. The constraint pins torch to the base image's own build, so pip
+# fails instead of replacing it with a PyPI wheel. Extras: mirror (s3fs/gcsfs for
+# checkpoint.mirror_url), wandb and tensorboard (the metric trackers).
+COPY pyproject.toml docker/project_requirements.py /tmp/m3run-deps/
+RUN python -c "import torch, triton; print(f'torch=={torch.__version__}')" > /tmp/keep-torch.txt \
+ && python /tmp/m3run-deps/project_requirements.py /tmp/m3run-deps/pyproject.toml \
+        mirror wandb tensorboard > /tmp/m3run-deps/requirements.txt \
+ && pip install --no-cache-dir --constraint /tmp/keep-torch.txt \
+        --requirement /tmp/m3run-deps/requirements.txt \
+ && rm -rf /tmp/m3run-deps
+
+# The package itself: its requirements are all met above, so pip installs m3run alone.
+COPY . /tmp/m3run-src
+RUN pip install --no-cache-dir --constraint /tmp/keep-torch.txt \
+        "/tmp/m3run-src[mirror,wandb,tensorboard]" \
+ && python -c "import torch, triton, runner.cli; assert torch.version.cuda, 'base image torch is not a CUDA build'" \
+ && cp -r /tmp/m3run-src/configs /opt/m3run/configs \
+ && install -m 0755 /tmp/m3run-src/docker/entrypoint /usr/local/bin/m3run-entrypoint \
+ && install -m 0755 /tmp/m3run-src/docker/prepare-a100-data /usr/local/bin/m3run-prepare-a100-data \
+ && rm -rf /tmp/m3run-src /tmp/keep-torch.txt
+
+# Caches on the runs volume survive container restarts: no recompilation after a preemption
+# (Triton, inductor), no second sha256 pass over the token shards (the shard checks are cached
+# under XDG_CACHE_HOME). The tiktoken cache on the data volume serves `prepare-data`. Set here
+# rather than left to $HOME, which a container run under another uid (compose) does not have.
+# (DL3064 reads the TOKEN in TIKTOKEN_CACHE_DIR as a secret; it is a directory.)
+# hadolint ignore=DL3064
 ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/runs/.cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/runs/.cache/inductor \
+    XDG_CACHE_HOME=/runs/.cache \
     TIKTOKEN_CACHE_DIR=/data/.cache/tiktoken
 
 WORKDIR /opt/m3run
-USER m3run
+USER 1000:1000
 VOLUME ["/data", "/runs"]
 
 # The supervisor turns SIGTERM into "worker: save at the next step, exit"; give it
@@ -55,7 +79,8 @@ VOLUME ["/data", "/runs"]
 STOPSIGNAL SIGTERM
 
 # Liveness from the run dir only (heartbeat age, phase); never touches the GPU. The start period
-# covers the preflight smoke test and torch.compile.
+# covers the preflight smoke test and torch.compile. A container that runs something else
+# (prepare-data) turns it off: compose's `prepare` service does.
 HEALTHCHECK --interval=60s --timeout=30s --start-period=20m --retries=3 \
     CMD ["m3run", "health", "--liveness", "/runs/pretrain_a100_434m"]
 
