@@ -248,14 +248,6 @@ if triton is not None:
         b_r = tl.join(b_e * b_cos - b_o * b_sin, b_e * b_sin + b_o * b_cos)
         return tl.reshape(b_r, (BT, 2 * BN2))
 
-    @triton.jit
-    def bias_pairs(bias, i_h, N, BN2: tl.constexpr):
-        """Row i_h of an (h, N) bias as its even and odd entries."""
-        o_m = tl.arange(0, BN2)
-        b_e = tl.load(bias + i_h * N + 2 * o_m, mask=2 * o_m < N, other=0.0)
-        b_o = tl.load(bias + i_h * N + 2 * o_m + 1, mask=2 * o_m + 1 < N, other=0.0)
-        return b_e, b_o
-
 
 # --- launching ---------------------------------------------------------------------------------
 

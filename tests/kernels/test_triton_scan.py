@@ -31,14 +31,11 @@ BF16 = torch.bfloat16
 Y_TOL = 1e-2  # y
 STATE_TOL = 1e-2  # ssm_state (G_T) and k_state
 ANGLE_TOL = 1e-5  # angle_state, compared modulo 2π (fp32 cumsum in both)
-GRAD_TOL = 1e-2  # every input gradient but the angles' and dt's, at every length
+GRAD_TOL = 1e-2  # every input gradient but the angles', at every length
 # angles: the output depends only on angle differences, so Σ_t ∂L/∂Φ_t = 0 exactly and the
 # reverse cumsum of bf16-rounded terms carries an absolute error that grows like √t against
 # values that shrink towards the start.
 ANGLE_GRAD_TOL = 4e-2
-# dt: its angle term, π·Σ_m rc_m·tanh θ̃_m, carries the same reverse cumsum rc of dΦ; measured
-# 1.07–1.17e-2 at t = 2048 on an H200 (≤ 1e-2 at t ≤ 1024; adt, chunk-local, 1.8e-3).
-DT_GRAD_TOL = 1.5e-2
 SPLIT_TOL = 1e-2  # scan of [:t1] then [t1:] with the carried state vs the whole scan
 
 
@@ -134,7 +131,7 @@ def errors(x, chunk_size=64, state=None, seed=7) -> dict[str, float]:
 
 def check(err: dict[str, float]) -> None:
     bounds = {"y": Y_TOL, "angle_state": ANGLE_TOL, "ssm_state": STATE_TOL, "k_state": STATE_TOL,
-              "v_state": 0.0, "dangles": ANGLE_GRAD_TOL, "ddt": DT_GRAD_TOL}  # fmt: skip
+              "v_state": 0.0, "dangles": ANGLE_GRAD_TOL}  # fmt: skip
     bad = {k: v for k, v in err.items() if not v <= bounds.get(k, GRAD_TOL)}
     assert not bad, f"over bound: {bad}; all: {err}"
 
