@@ -13,7 +13,9 @@ Initialisation (GPT-2 / Mamba conventions):
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,17 @@ class Mamba3LM(nn.Module):
             block.mixer_norm.weight.fill_(1.0)
             block.mlp_norm.weight.fill_(1.0)
         self.norm_f.weight.fill_(1.0)
+
+    @classmethod
+    def from_export(cls, path: str | Path) -> Mamba3LM:
+        """The model of an `m3run export` directory (config.json + model.safetensors)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        model = cls(ModelConfig(**config["model"]))
+        model.load_state_dict(load_file(str(path / "model.safetensors")))
+        return model.eval()
 
     @property
     def head_weight(self) -> Tensor:

@@ -27,26 +27,14 @@ def m3run(*args: str) -> int:
 
 
 def sample() -> None:
-    import torch
+    from runner.export import ExportError, generate, load_trained
 
-    from model import Mamba3LM
-    from runner.checkpoint.io import load_checkpoint
-    from runner.checkpoint.layout import latest_complete
-    from runner.config import load_config
-    from runner.data.tokenizer import load_tokenizer
-    from runner.protocol import CONFIG_FILE
-
-    info = latest_complete(RUN)
-    if info is None:
-        return
-    cfg = load_config(RUN / CONFIG_FILE)
-    model = Mamba3LM(cfg.model)
-    model.load_state_dict(load_checkpoint(info.path)[0])
-    tok = load_tokenizer(DATA / "train")
-    prompt = torch.tensor([tok.encode("def main(")])
-    torch.manual_seed(0)
-    out = model.eval().generate(prompt, max_new_tokens=60, temperature=0.8, top_k=40)
-    print(f"\nsample from step {info.step} (prompt 'def main('):\n" + tok.decode(out[0].tolist()))
+    try:
+        trained = load_trained(RUN)
+    except ExportError:
+        return  # nothing trained yet
+    text = generate(trained, "def main(", 60, temperature=0.8, top_k=40, top_p=None, seed=0)
+    print(f"\nsample from step {trained.checkpoint.step} (prompt 'def main('):\ndef main({text}")
 
 
 def main() -> int:

@@ -41,7 +41,14 @@ from runner.protocol import (
     SupervisorPhase,
 )
 
-RUNS_ROOT = Path("runs")
+# Where run names resolve: ./runs/, or the directory the M3RUN_RUNS environment variable names.
+RUNS_ENV = "M3RUN_RUNS"
+
+
+def runs_root_dir() -> Path:
+    return Path(os.environ.get(RUNS_ENV) or "runs")
+
+
 # Slack on top of the supervisor's own hang allowance before the liveness check calls a run
 # stale: the supervisor polls, then signals, then waits for the worker to exit.
 LIVENESS_SLACK_S = 30.0
@@ -57,9 +64,10 @@ class RunNotFoundError(Exception):
 # --------------------------------------------------------------------------- locating runs
 
 
-def resolve_run(run: str | os.PathLike | None, runs_root: Path = RUNS_ROOT) -> Path:
+def resolve_run(run: str | os.PathLike | None, root: Path | None = None) -> Path:
     """A run directory from RUN: an existing path, else a name under ./runs/. Without RUN, the
-    run under ./runs/ whose state.json changed last."""
+    run under ./runs/ whose state.json changed last. ./runs/ is `root`, else runs_root_dir()."""
+    runs_root = root if root is not None else runs_root_dir()
     if run is None:
         candidates = (
             [p.parent for p in runs_root.glob(f"*/{STATE_FILE}")] if runs_root.is_dir() else []
@@ -100,6 +108,44 @@ def _checked_run_dir(path: Path) -> Path:
             f"{CHECKPOINTS_DIR}/; pass a run directory (runs/<name>) or a name under ./runs/"
         )
     return path
+
+
+def list_runs(root: Path | None = None) -> list[dict]:
+    """`m3run list`: every run dir under the runs root, newest first, with its phase, step,
+    loss and when its state last changed."""
+    root = root if root is not None else runs_root_dir()
+    rows = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if not path.is_dir() or not {p.name for p in path.iterdir()} & {STATE_FILE, CONFIG_FILE}:
+            continue
+        st = collect_status(path)
+        rows.append(
+            {
+                k: st.get(k)
+                for k in ("run_dir", "phase", "step", "total_steps", "loss", "updated_at")
+            }
+        )
+    return sorted(rows, key=lambda r: r["updated_at"] or 0.0, reverse=True)
+
+
+def format_runs(rows: list[dict]) -> str:
+    if not rows:
+        return f"no runs under {runs_root_dir()}/"
+    table = [("RUN", "PHASE", "STEP", "LOSS", "UPDATED")]
+    for r in rows:
+        step = f"{r['step']}/{r['total_steps']}" if r["step"] is not None else "-"
+        updated = (
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(r["updated_at"]))
+            if r["updated_at"]
+            else "-"
+        )
+        table.append((Path(r["run_dir"]).name, str(r["phase"] or "-"), step,
+                      _fmt_num(r["loss"], ".4f"), updated))  # fmt: skip
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
+        for row in table
+    )
 
 
 def _names(runs_root: Path) -> str:

@@ -1,0 +1,29 @@
+"""The `m3run` command line. Light commands never import torch at module import time.
+
+Each command is a thin function over a module: launch → runner.supervisor; status, stop, logs
+and `health --liveness` → runner.runstate; health → runner.health; plot → runner.plot.
+
+Exit codes:
+  launch   the supervisor's: 0 finished or stopped by the user · 75 preempted (state saved,
+           reschedule) · 69 GPU unhealthy · 70 restart budget or no-progress limit spent ·
+           78 bad config or data (also: frozen config changed without --force, smoke test
+           failed) · 1 refused (run dir busy) · 2 bad arguments
+  status   0 · 1 no such run
+  stop     0 the run stopped · 1 it was not running, or did not stop within the grace
+  logs     0 · 1 no such run or log
+  health   0 healthy, warn or no GPU · 69 unhealthy; with --liveness RUN: 0 alive · 1 stale/dead
+  plot     0 · 1 nothing to plot or no matplotlib
+"""
+
+from runner.cli.app import app
+
+# Each module registers its commands when imported; `m3run --help` lists them in this order.
+# isort: off
+import runner.cli.runs
+import runner.cli.views
+import runner.cli.models
+import runner.cli.data
+import runner.cli.health  # noqa: F401
+# isort: on
+
+__all__ = ["app"]

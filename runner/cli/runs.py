@@ -1,0 +1,181 @@
+"""Commands that run things: `launch` (the supervisor), `stop`, `train` (the worker alone) and
+`smoke` (the preflight checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from runner.cli.app import RUN_HELP, app, fail, run_dir_of
+
+
+@app.command(
+    epilog=(
+        "Exit codes: 0 finished or stopped by the user, 75 preempted (saved: reschedule), 69 GPU "
+        "unhealthy, 70 restart budget or no-progress limit spent, 78 bad config or data (also a "
+        "changed config without --force, a failed smoke test), 1 run dir busy, 2 bad arguments."
+    )
+)
+def launch(
+    config: Annotated[
+        Path, typer.Argument(metavar="CONFIG", help="YAML run config, e.g. configs/demo_cpu.yaml.")
+    ],
+    run_dir: Annotated[
+        Path | None,
+        typer.Option("--run-dir", metavar="DIR", help="Run directory (default: runs/<name>)."),
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            metavar="NAME",
+            help="Run name: the run directory is runs/<name> (default: the config file's stem).",
+        ),
+    ] = None,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
+        ),
+    ] = None,
+    resume: Annotated[
+        str,
+        typer.Option(
+            "--resume",
+            metavar="latest|none|STEP",
+            help="latest (newest complete checkpoint) | none | STEP.",
+        ),
+    ] = "latest",
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace the run's frozen config.yaml with a changed config."),
+    ] = False,
+    detach: Annotated[
+        bool,
+        typer.Option(
+            "-d", "--detach", help="Run the supervisor in the background; return once it runs."
+        ),
+    ] = False,
+) -> None:
+    """Freeze the config, check the GPU, smoke-test, then train under the supervisor."""
+    from runner.supervisor import launch as supervisor
+
+    if run_dir is not None and name is not None:
+        raise fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name}), not both", 2)
+    if name is not None and (not name or "/" in name or name in (".", "..")):
+        raise fail(
+            f"m3run launch: --name {name!r} must be a plain directory name (no '/'); "
+            "use --run-dir for a path",
+            2,
+        )
+    try:
+        resume = supervisor.check_resume(resume)
+    except supervisor.LaunchError as e:
+        raise fail(f"m3run launch: {e}", 2) from None
+    from runner.runstate import runs_root_dir
+
+    run_dir = run_dir if run_dir is not None else runs_root_dir() / (name or config.stem)
+    opts = supervisor.LaunchOptions(
+        config=config,
+        run_dir=run_dir,
+        overrides=list(overrides or []),
+        resume=resume,
+        force=force,
+        console=True,
+    )
+    code = supervisor.launch_detached(opts) if detach else supervisor.launch(opts)
+    raise typer.Exit(code)
+
+
+@app.command(epilog="Exit codes: 0 stopped, 1 not running (or still running after the grace).")
+def stop(
+    run: Annotated[str | None, typer.Argument(metavar="RUN", help=RUN_HELP)] = None,
+    grace: Annotated[
+        float | None,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            min=0,
+            help="Seconds the worker gets to save before it is killed (default and maximum: "
+            "the run's supervisor.stop_grace_s).",
+        ),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="If the run has not stopped after the grace, SIGKILL the supervisor and the "
+            "worker (progress since the last checkpoint is lost).",
+        ),
+    ] = False,
+) -> None:
+    """Stop a run: the worker saves a checkpoint and exits; waits until the run is stopped."""
+    from runner import runstate
+
+    run_dir = run_dir_of(run)
+    raise typer.Exit(runstate.stop_run(run_dir, grace_s=grace, force=force, say=typer.echo))
+
+
+@app.command(
+    epilog="Exit codes: 0 finished, 75 stopped after a saved checkpoint, 76 NaN excursion not "
+    "healed, 78 bad config or data, anything else a crash."
+)
+def train(
+    config: Annotated[
+        Path, typer.Argument(metavar="CONFIG", help="YAML run config, e.g. configs/demo_cpu.yaml.")
+    ],
+    run_dir: Annotated[
+        Path, typer.Option("--run-dir", metavar="DIR", help="Run directory (created if missing).")
+    ],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
+        ),
+    ] = None,
+    resume: Annotated[
+        str,
+        typer.Option(
+            "--resume",
+            metavar="latest|none|STEP",
+            help="latest (default) | none | STEP (exactly that step).",
+        ),
+    ] = "latest",
+    force: Annotated[
+        bool, typer.Option("--force", help="Accept a changed config, or --resume none over old")
+    ] = False,
+    lr_scale: Annotated[
+        float,
+        typer.Option("--lr-scale", metavar="FACTOR", help="Multiply the learning-rate schedule."),
+    ] = 1.0,
+) -> None:
+    """Run the training worker in the foreground, without a supervisor."""
+    from runner.train import run
+
+    raise typer.Exit(run(config, run_dir, overrides or [], resume, force, lr_scale))
+
+
+@app.command(epilog="Exit codes: 0 every check passed or was skipped, 78 a check failed.")
+def smoke(
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="YAML run config.")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
+        ),
+    ] = None,
+) -> None:
+    """Preflight smoke test: numbered checks from CUDA/bf16 to peak memory."""
+    from runner.config import ConfigError, load_config
+    from runner.worker.smoke import run_smoke
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as e:
+        raise fail(f"m3run smoke: {e}", 78) from None
+    result = run_smoke(cfg, echo=typer.echo)
+    if not result.ok:
+        raise fail(f"smoke test failed: {result.failed_check_message}", 78)
+    typer.echo("smoke test passed")
