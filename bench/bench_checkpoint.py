@@ -40,7 +40,9 @@ if str(REPO) not in sys.path:
 from model import Mamba3LM  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.lm import param_groups  # noqa: E402
-from runner import checkpoint as ckpt  # noqa: E402
+from runner.checkpoint import io as ckpt  # noqa: E402
+from runner.checkpoint.layout import apply_retention  # noqa: E402
+from runner.protocol import CHECKPOINTS_DIR  # noqa: E402
 
 KEEP_LAST = 2
 
@@ -107,7 +109,7 @@ class Setup:
 def _job(run_dir: Path, step: int, cpu_model: dict, cpu_optim: dict, meta: dict):
     def job() -> Path:
         path = ckpt.write_checkpoint(run_dir, step, cpu_model, cpu_optim, meta)
-        ckpt.apply_retention(run_dir, KEEP_LAST)
+        apply_retention(run_dir, KEEP_LAST)
         return path
 
     return job
@@ -197,9 +199,9 @@ def main() -> int:
 
     run_dir = a.dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / ckpt.CHECKPOINTS_SUBDIR).exists():
+    if (run_dir / CHECKPOINTS_DIR).exists():
         print(
-            f"error: {run_dir / ckpt.CHECKPOINTS_SUBDIR} already exists; point --dir at an empty "
+            f"error: {run_dir / CHECKPOINTS_DIR} already exists; point --dir at an empty "
             "or new directory (the bench writes and deletes checkpoints there)",
             file=sys.stderr,
         )
@@ -239,7 +241,7 @@ def main() -> int:
             writer.join()
             writer.result()
         if not a.keep:
-            shutil.rmtree(run_dir / ckpt.CHECKPOINTS_SUBDIR, ignore_errors=True)
+            shutil.rmtree(run_dir / CHECKPOINTS_DIR, ignore_errors=True)
 
     n_bytes = asyncs[-1]["bytes"]
     print(f"checkpoint size: {_gb(n_bytes)} on disk (model.safetensors + optim.pt + meta.json)")

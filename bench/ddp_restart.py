@@ -41,7 +41,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from runner.checkpoint import latest_complete
+    from runner.checkpoint.layout import latest_complete
     from runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
