@@ -337,6 +337,8 @@ class RunState:
     mirror_flush_s: float | None = None
     peak_vram_bytes: int | None = None
     longest_startup_s: float | None = None
+    # The last smoke test that passed here: config_hash, device (GPU UUIDs or host), time.
+    smoke_passed: dict | None = None
     # One record per restart across every supervisor of the run: time, reason, kind,
     # exit_code, resume, resume_step, lr_scale, backoff_s, supervisor_pid.
     restarts: list[dict] = dataclasses.field(default_factory=list)
@@ -354,7 +356,7 @@ class RunState:
                 values[f.name] = _int(raw)
             elif f.name in _STATE_TEXTS:
                 values[f.name] = raw if isinstance(raw, str) else None
-            elif f.name == "last_exit":
+            elif f.name in ("last_exit", "smoke_passed"):
                 values[f.name] = raw if isinstance(raw, dict) else None
             elif f.name == "restarts":
                 values[f.name] = (

@@ -58,6 +58,14 @@ def launch(
             "-d", "--detach", help="Run the supervisor in the background; return once it runs."
         ),
     ] = False,
+    smoke: Annotated[
+        bool,
+        typer.Option(
+            "--smoke",
+            help="Run the smoke test even though this config already passed it on this GPU "
+            "(it runs anyway at a first launch, after a config change and on another GPU).",
+        ),
+    ] = False,
 ) -> None:
     """Freeze the config, check the GPU, smoke-test, then train under the supervisor."""
     from runner.supervisor import launch as supervisor
@@ -84,6 +92,7 @@ def launch(
         resume=resume,
         force=force,
         console=True,
+        smoke=smoke,
     )
     code = supervisor.launch_detached(opts) if detach else supervisor.launch(opts)
     raise typer.Exit(code)

@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p.add_argument("--set", dest="overrides", action="append", default=[])
     run_p.add_argument("--resume", default="latest")
     run_p.add_argument("--force", action="store_true")
+    run_p.add_argument("--smoke", action="store_true", help="run the smoke test in any case")
     run_p.add_argument(
         "--console", action="store_true", help="echo events and worker output on stdout"
     )
@@ -32,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=args.resume,
             force=args.force,
             console=args.console,
+            smoke=args.smoke,
         )
     )
 

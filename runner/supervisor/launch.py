@@ -94,6 +94,7 @@ class LaunchOptions:
     resume: str = "latest"
     force: bool = False
     console: bool = True
+    smoke: bool = False  # run the smoke test even where it passed for this config and device
 
 
 def check_resume(value: str) -> str:
@@ -234,7 +235,9 @@ def launch(opts: LaunchOptions) -> int:
             console=opts.console,
             config_hash=chash,
             gpu=NvmlProbe(settings.health_timeout_s),
-            smoke=SmokeTest(opts.run_dir / CONFIG_FILE) if settings.smoke else None,
+            smoke=SmokeTest(opts.run_dir / CONFIG_FILE, always=opts.smoke)
+            if settings.smoke
+            else None,
         )
     except LaunchError as e:
         print(f"m3run launch: {e}", file=sys.stderr)
@@ -273,6 +276,8 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
         argv += ["--set", kv]
     if opts.force:
         argv.append("--force")
+    if opts.smoke:
+        argv.append("--smoke")
     log_path = opts.run_dir / SUPERVISOR_LOG
     proc, offset = spawn_logged(argv, log_path)
     deadline = time.monotonic() + wait_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -124,6 +125,8 @@ class GpuWatch:
         self.log = log
         self.vram = vram
         self.has_gpu = False
+        # What the smoke test passed on: the GPUs' UUIDs, or on a host without one its name.
+        self.device_key: str | None = None
         self._next_poll = 0.0
 
     def gate(self, when: str) -> GateResult:
@@ -132,6 +135,10 @@ class GpuWatch:
         if gate.failure is not None:
             return gate
         self.has_gpu = gate.has_gpu
+        uuids = sorted(
+            str(d.get("uuid")) for d in (gate.details or {}).get("devices") or [] if d.get("uuid")
+        )
+        self.device_key = ",".join(uuids) if uuids else f"host:{socket.gethostname()}"
         self.log.emit(
             "health",
             reason=gate.summary,
@@ -179,10 +186,32 @@ class GpuWatch:
 
 class SmokeTest:
     """The preflight smoke test in a child process. Its output goes to worker.log (echoed in
-    the foreground through `echo`), its verdict to smoke.json."""
+    the foreground through `echo`), its verdict to smoke.json.
 
-    def __init__(self, config_path: Path):
+    It runs at a run dir's first launch, after a config change and on another device (a new
+    spot machine: other GPU UUIDs, or on CPU another host); a relaunch of an unchanged config on
+    the same device skips it, unless `always` (`m3run launch --smoke`)."""
+
+    def __init__(self, config_path: Path, always: bool = False):
         self.config_path = config_path
+        self.always = always
+
+    def reason_to_run(
+        self, passed: dict | None, config_hash: str | None, device: str | None
+    ) -> str | None:
+        """Why this launch runs it, or None to skip it. `passed`: what the last passing smoke
+        test of this run dir recorded (config_hash, device, time)."""
+        if self.always:
+            return "--smoke was given"
+        if not passed:
+            return "first launch of this run dir"
+        if passed.get("config_hash") != config_hash:
+            return "the config changed since the last smoke test"
+        if device is None or passed.get("device") != device:
+            return (
+                f"another device ({device}; the last smoke test passed on {passed.get('device')})"
+            )
+        return None
 
     def run(
         self,

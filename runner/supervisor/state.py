@@ -50,6 +50,7 @@ class StateFile:
             updated_at=now,
             peak_vram_bytes=prev.peak_vram_bytes if prev else None,
             longest_startup_s=prev.longest_startup_s if prev else None,
+            smoke_passed=prev.smoke_passed if prev else None,
             heartbeat_timeout_s=settings.startup_timeout_s,
             stop_grace_s=settings.stop_grace_s,
             mirror_flush_s=settings.mirror_flush_s if settings.mirror_url else 0.0,

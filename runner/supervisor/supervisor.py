@@ -285,26 +285,40 @@ class Supervisor:
                 return code
         if self.stops.requested:
             return self._stopped_without_worker()
-        if self.smoke is not None:
-            ok, message = self.smoke.run(
-                self.run_dir,
-                self.env,
-                timeout_s=self.s.startup_timeout_s,
-                poll_s=self.s.poll_s,
-                echo=self.log.echo,
-                tick=self._write_state,
-                stop_requested=lambda: self.stops.requested,
+        return self._smoke_test() if self.smoke is not None else None
+
+    def _smoke_test(self) -> int | None:
+        """Run the smoke test unless this config already passed it on this device."""
+        device = self.gpu.device_key if self.gpu is not None else None
+        why = self.smoke.reason_to_run(self.state.smoke_passed, self.config_hash, device)
+        if why is None:
+            self.log.emit(
+                "smoke",
+                reason=f"skipped: it passed for this config on {device} "
+                "(`m3run launch --smoke` runs it again)",
             )
-            if self.stops.requested:
-                return self._stopped_without_worker()
-            if not ok:
-                return self._end(
-                    SupervisorPhase.FAILED,
-                    EXIT_CONFIG,
-                    f"preflight smoke test failed: {message}",
-                    level="error",
-                )
-            self.log.emit("smoke", reason=message)
+            return None
+        ok, message = self.smoke.run(
+            self.run_dir,
+            self.env,
+            timeout_s=self.s.startup_timeout_s,
+            poll_s=self.s.poll_s,
+            echo=self.log.echo,
+            tick=self._write_state,
+            stop_requested=lambda: self.stops.requested,
+        )
+        if self.stops.requested:
+            return self._stopped_without_worker()
+        if not ok:
+            return self._end(
+                SupervisorPhase.FAILED,
+                EXIT_CONFIG,
+                f"preflight smoke test failed: {message}",
+                level="error",
+            )
+        passed = {"config_hash": self.config_hash, "device": device, "time": time.time()}
+        self._write_state(smoke_passed=passed)
+        self.log.emit("smoke", reason=f"{message} (ran: {why})")
         return None
 
     def _health_gate(self, when: str) -> int | None:
