@@ -184,6 +184,16 @@ class GpuWatch:
             )
 
 
+@dataclass(frozen=True)
+class SmokeResult:
+    """What the preflight smoke test said: `passed` is the record to keep when it ran and
+    passed (config_hash, device, time), None when it was skipped or failed."""
+
+    ok: bool
+    message: str
+    passed: dict | None = None
+
+
 class SmokeTest:
     """The preflight smoke test in a child process. Its output goes to worker.log (echoed in
     the foreground through `echo`), its verdict to smoke.json.
@@ -212,6 +222,30 @@ class SmokeTest:
                 f"another device ({device}; the last smoke test passed on {passed.get('device')})"
             )
         return None
+
+    def check(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        *,
+        passed: dict | None,
+        config_hash: str | None,
+        device: str | None,
+        **run_args: Any,
+    ) -> SmokeResult:
+        """Run it (`run_args` as for `run`) unless `reason_to_run` says it need not."""
+        why = self.reason_to_run(passed, config_hash, device)
+        if why is None:
+            return SmokeResult(
+                True,
+                f"skipped: it passed for this config on {device} "
+                "(`m3run launch --smoke` runs it again)",
+            )
+        ok, message = self.run(run_dir, env, **run_args)
+        if not ok:
+            return SmokeResult(False, message)
+        record = {"config_hash": config_hash, "device": device, "time": time.time()}
+        return SmokeResult(True, f"{message} (ran: {why})", record)
 
     def run(
         self,

@@ -289,18 +289,12 @@ class Supervisor:
 
     def _smoke_test(self) -> int | None:
         """Run the smoke test unless this config already passed it on this device."""
-        device = self.gpu.device_key if self.gpu is not None else None
-        why = self.smoke.reason_to_run(self.state.smoke_passed, self.config_hash, device)
-        if why is None:
-            self.log.emit(
-                "smoke",
-                reason=f"skipped: it passed for this config on {device} "
-                "(`m3run launch --smoke` runs it again)",
-            )
-            return None
-        ok, message = self.smoke.run(
+        result = self.smoke.check(
             self.run_dir,
             self.env,
+            passed=self.state.smoke_passed,
+            config_hash=self.config_hash,
+            device=self.gpu.device_key if self.gpu is not None else None,
             timeout_s=self.s.startup_timeout_s,
             poll_s=self.s.poll_s,
             echo=self.log.echo,
@@ -309,16 +303,12 @@ class Supervisor:
         )
         if self.stops.requested:
             return self._stopped_without_worker()
-        if not ok:
-            return self._end(
-                SupervisorPhase.FAILED,
-                EXIT_CONFIG,
-                f"preflight smoke test failed: {message}",
-                level="error",
-            )
-        passed = {"config_hash": self.config_hash, "device": device, "time": time.time()}
-        self._write_state(smoke_passed=passed)
-        self.log.emit("smoke", reason=f"{message} (ran: {why})")
+        if not result.ok:
+            reason = f"preflight smoke test failed: {result.message}"
+            return self._end(SupervisorPhase.FAILED, EXIT_CONFIG, reason, level="error")
+        if result.passed is not None:
+            self._write_state(smoke_passed=result.passed)
+        self.log.emit("smoke", reason=result.message)
         return None
 
     def _health_gate(self, when: str) -> int | None:
