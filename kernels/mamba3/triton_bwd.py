@@ -46,6 +46,7 @@ from .triton_common import (
     tanh,
     tile_ptr,
     tl,
+    to_dot,
     triton,
 )
 
@@ -70,6 +71,7 @@ if triton is not None:
         o_qk = (i_b.to(tl.int64) * T * G + i_g) * N
         b_q = load_tile(tile_ptr(q + o_qk, T, N, G * N, r0, BT, 2 * BN2)).to(tl.float32)
         b_k = load_tile(tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)).to(tl.float32)
+        DT = qr.dtype.element_ty
         for j in range(HPG):
             i_h = i_g * HPG + j
             i_bh = (i_b * H + i_h).to(tl.int64)
@@ -80,10 +82,10 @@ if triton is not None:
             o_r = (i_b.to(tl.int64) * T * H + i_h) * N
             b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
             b_qr = rotate(b_q + b_qb[None, :], b_cos, b_sin, BT, BN2)
-            store_tile(tile_ptr(qr + o_r, T, N, H * N, r0, BT, 2 * BN2), b_qr)
+            store_tile(tile_ptr(qr + o_r, T, N, H * N, r0, BT, 2 * BN2), to_dot(b_qr, DT))
             b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
             b_kr = rotate(b_k + b_kb[None, :], b_cos, b_sin, BT, BN2)
-            store_tile(tile_ptr(kr + o_r, T, N, H * N, r0, BT, 2 * BN2), b_kr)
+            store_tile(tile_ptr(kr + o_r, T, N, H * N, r0, BT, 2 * BN2), to_dot(b_kr, DT))
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_main_kernel(
@@ -157,14 +159,14 @@ if triton is not None:
                 if HAS_Z:
                     b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BP)).to(tl.float32)
                     b_do = b_do * b_z * sigmoid(b_z)
-                b_doc = b_do.to(DT)
+                b_doc = to_dot(b_do, DT)
 
             # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
             # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
             # diagonal) and, over w, the weight gradient; the diagonals give dcur and d.
             b_Dw = decay_weights(b_A2, b_w, b_cur, m_strict, m_diag)
             b_S = tl.dot(b_qc, tl.trans(b_kc))
-            b_Mc = (b_S * b_Dw).to(DT)
+            b_Mc = to_dot(b_S * b_Dw, DT)
             b_dS = tl.dot(b_doc, tl.trans(b_x))
             if not GATED:
                 b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
@@ -178,7 +180,7 @@ if triton is not None:
             if not GATED:
                 b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
                 tl.store(dcur + o_tc, b_qk * b_dox, mask=m_t)
-            b_dSc = b_dS.to(DT)
+            b_dSc = to_dot(b_dS, DT)
 
             # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
             # gradient), the exp(A_L)·G_in part of the leaving state (its decay gradient) and
@@ -205,7 +207,7 @@ if triton is not None:
                 store_tile(tile_ptr(dz, T, P, H * P, r0, BT, BP), b_dz)
 
             # dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do.
-            b_dGc = b_dG.to(DT)
+            b_dGc = to_dot(b_dG, DT)
             b_u = tl.dot(b_kc, tl.trans(b_dGc))
             b_xu = tl.sum(b_x.to(tl.float32) * b_u, axis=1)  # x_jᵀ dG k̄_j
             b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
@@ -224,7 +226,7 @@ if triton is not None:
             tl.store(dw + o_tc, b_dw + b_eL * b_xu, mask=m_t)
 
             # The state entering this chunk is the one leaving the previous chunk.
-            b_doA = (b_doc.to(tl.float32) * b_eA[:, None]).to(DT)
+            b_doA = to_dot(b_doc.to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, 0, BP, 2 * BN2), b_dG)
         if not GATED:
@@ -271,9 +273,9 @@ if triton is not None:
         if HAS_Z:
             b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BP)).to(tl.float32)
             b_sg = sigmoid(b_z)
-            b_doc = (b_dy * b_z * b_sg).to(DT)
+            b_doc = to_dot(b_dy * b_z * b_sg, DT)
         else:
-            b_doc = b_dy.to(DT)
+            b_doc = to_dot(b_dy, DT)
         store_tile(tile_ptr(do_out, T, P, H * P, r0, BT, BP), b_doc)
         b_dox = tl.sum(b_doc.to(tl.float32) * b_x.to(tl.float32), axis=1)  # do_j·x_j
         tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
@@ -288,7 +290,7 @@ if triton is not None:
         tl.store(da_in + o_s + o_tc, b_dA, mask=m_t)
         if HAS_Z:
             b_Dw = decay_weights(b_A2, b_w, b_cur, m_strict, m_diag)
-            b_o = tl.dot((b_S * b_Dw).to(DT), b_x) + b_eA[:, None] * b_qG
+            b_o = tl.dot(to_dot(b_S * b_Dw, DT), b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
             b_dz = b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg)) * b_o

@@ -41,6 +41,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def emulating_bf16() -> bool:
+    """True in the interpreter with M3RUN_SCAN_EMULATE_BF16=1: fp32 inputs holding bf16 values
+    run with every dot operand rounded to bf16 as on a GPU, the rest fp32 (a CPU test of the
+    kernels' bf16 accuracy; the interpreter's own bf16 is not faithful)."""
+    return interpreting() and os.environ.get("M3RUN_SCAN_EMULATE_BF16", "0") == "1"
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -116,6 +123,12 @@ DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
 }
 
 
+# The kernels' chunk where the table has no plan. On an H200 the main backward kernel ran 1.94 ms
+# at chunk 32 against 2.51 ms at 64 (bench/tune_scan.py, 2026-12-01), and compiled for sm_80 it
+# spills 752 B per thread at 32 against 4576 B at 64 (kernels/mamba3/triton_report.py).
+DEFAULT_CHUNK = 32
+
+
 def shape_key(tiles: Tiles, dtype: torch.dtype) -> str:
     """The launch table's key of a call: tile sizes and the dot dtype (fp32 tiles take twice the
     registers)."""
@@ -145,8 +158,9 @@ class Plan:
 
 def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
     """The tuned plan for this GPU architecture and shape from the checked-in table
-    (bench/tune_scan.py writes it), else the caller's chunk and the safe defaults, logged once.
-    The interpreter and CPU tensors always take the defaults."""
+    (bench/tune_scan.py writes it), else the defaults, logged once: the caller's chunk capped at
+    DEFAULT_CHUNK and DEFAULT_CONFIGS. The interpreter and CPU tensors run the caller's chunk
+    with the defaults."""
     if interpreting() or device.type != "cuda":
         return Plan(chunk_size, dict(DEFAULT_CONFIGS))
     from .launch_table import TABLE
@@ -162,7 +176,7 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
                 arch,
                 key,
             )
-        return Plan(chunk_size, dict(DEFAULT_CONFIGS))
+        return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
     configs = {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
                for name in KERNELS}  # fmt: skip
     return Plan(int(entry.get("chunk", chunk_size)), configs, bool(entry.get("split_gate", False)))
@@ -192,6 +206,23 @@ if triton is not None:
             reduction costs a local-memory table and many registers."""
             x = x - TWO_PI * tl.floor(x * (1.0 / TWO_PI))
             return libdevice.fast_cosf(x), libdevice.fast_sinf(x)
+
+    if emulating_bf16():
+
+        @triton.jit
+        def to_dot(x, DT: tl.constexpr):
+            """x rounded to the nearest bf16 (ties to even), kept in fp32: the GPU's bf16 dot
+            operand, emulated."""
+            u = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            return u.to(tl.float32, bitcast=True)
+
+    else:
+
+        @triton.jit
+        def to_dot(x, DT: tl.constexpr):
+            """x as a dot operand of dtype DT."""
+            return x.to(DT)
 
     @triton.jit
     def tanh(x):

@@ -27,6 +27,7 @@ from .triton_common import (
     decay_weights,
     launch,
     tl,
+    to_dot,
     triton,
 )
 
@@ -114,15 +115,15 @@ if triton is not None:
             m_x = m_t[:, None] & m_v[None, :]
             b_x = tl.load(v + o_tc[:, None] * s_vt + o_v[None, :], mask=m_x, other=0.0)
             DT = b_x.dtype
-            b_qc = b_q.to(DT)
+            b_qc = to_dot(b_q, DT)
 
             # Intra-chunk: (q̄k̄ᵀ ⊙ exp(A_i − A_j) ⊙ W) x.
-            b_s = tl.dot(b_qc, tl.trans(b_k.to(DT)))
+            b_s = tl.dot(b_qc, tl.trans(to_dot(b_k, DT)))
             b_Dw = decay_weights(b_A2, b_w, b_cur, m_strict, m_diag)
-            b_o = tl.dot((b_s * b_Dw).to(DT), b_x)
+            b_o = tl.dot(to_dot(b_s * b_Dw, DT), b_x)
 
             # Inter-chunk: exp(A_i) · G q̄_i, with the state entering the chunk.
-            b_Gc = b_G.to(DT)
+            b_Gc = to_dot(b_G, DT)
             if SAVE:
                 p_gi = g_in + (i_bh.to(tl.int64) * NC + i_c) * BP * 2 * BN2
                 tl.store(p_gi + o_v[:, None] * (2 * BN2) + o_n[None, :], b_Gc)
@@ -130,7 +131,7 @@ if triton is not None:
 
             # Fold the chunk into G: G ← exp(A_L)·G + Σ_j exp(A_L − A_j)·w_j · x_j k̄_jᵀ.
             b_ew = tl.exp2(b_AL2 - b_A2) * b_w
-            b_G = b_G * tl.exp2(b_AL2) + tl.dot(tl.trans(b_x), (b_k * b_ew[:, None]).to(DT))
+            b_G = b_G * tl.exp2(b_AL2) + tl.dot(tl.trans(b_x), to_dot(b_k * b_ew[:, None], DT))
 
             if HAS_D:
                 b_o += b_D * b_x.to(tl.float32)

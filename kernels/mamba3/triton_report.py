@@ -172,15 +172,15 @@ def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
 
 
 def table_plans() -> list[tuple[str, dict, tc.Plan]]:
-    """The defaults (chunk 64) and each distinct plan of the launch table, as (name, shape, plan)
-    with the shape arguments of :func:`report`."""
+    """The defaults (at DEFAULT_CHUNK, with and without the gate kernel) and each distinct plan
+    of the launch table, as (name, shape, plan) with the shape arguments of :func:`report`."""
     from .launch_table import TABLE
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     bench = dict(p=64, n=64, dtype=torch.bfloat16)
     defaults = dict(tc.DEFAULT_CONFIGS)
-    out = [("defaults", bench, tc.Plan(64, defaults)),
-           ("defaults, gate split", bench, tc.Plan(64, defaults, True))]  # fmt: skip
+    out = [("defaults", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults)),
+           ("defaults, gate split", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults, True))]  # fmt: skip
     seen = set()
     for arch, keys in sorted(TABLE.items()):
         for key, entry in sorted(keys.items()):

@@ -1,8 +1,12 @@
-"""Run the Triton scan kernels in the Triton interpreter (CPU) on small shapes and print, as JSON,
-the largest relative error of the output, final state and every input gradient against the
-PyTorch chunked reference. Run as a script (TRITON_INTERPRET must be set before Triton loads):
+"""Run the Triton scan kernels in the Triton interpreter (CPU) and print, as JSON, the largest
+relative error of the output, final state and every input gradient against the PyTorch chunked
+reference. Run as a script (TRITON_INTERPRET must be set before Triton loads):
 
     TRITON_INTERPRET=1 python tests/kernels/interpret_scan.py
+        fp32, small shapes and several launch plans, against the fp32 reference
+    TRITON_INTERPRET=1 M3RUN_SCAN_EMULATE_BF16=1 python tests/kernels/interpret_scan.py --bf16 T
+        bf16-valued inputs, dot operands rounded to bf16 as on a GPU, at the benchmark's tile
+        shape (p = n = 64, s = 16) and t = T, g = 1 and g = h, against float64
 """
 
 from __future__ import annotations
@@ -86,7 +90,36 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def bf16_errors(t: int) -> dict[str, float]:
+    """Worst errors over g = 1 and g = h of the emulated-bf16 kernels at length t."""
+    gen = torch.Generator().manual_seed(0)
+    worst: dict[str, float] = {}
+    for g in (1, 2):
+        x = inputs(1, t, 2, 64, 64, 16, g, d=True, z=True, gen=gen)
+        for key in ("q", "k", "v", "z"):  # values a bf16 tensor holds, in fp32
+            x[key] = x[key].to(torch.bfloat16).float()
+        gy = torch.randn(1, t, 2, 64, generator=gen)
+
+        def grads(fn, f64, x=x, gy=gy):
+            leaves = {k: (v.double() if f64 else v).clone().requires_grad_() for k, v in x.items()}
+            y = fn(**leaves, chunk_size=64)
+            loss = (y.double() * gy.double()).sum() if f64 else (y * gy).sum()
+            return y, dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())),
+                               strict=True))  # fmt: skip
+
+        y, gr = grads(mamba3_siso_triton, False)
+        y_r, gr_r = grads(lambda **a: mamba3_siso(**a, backend="pytorch"), True)
+        errs = {"y": rel(y, y_r), **{f"d{k}": rel(gr[k], gr_r[k]) for k in gr_r}}
+        for k, v in errs.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    return worst
+
+
 def main() -> None:
+    if "--bf16" in sys.argv:
+        assert os.environ.get("M3RUN_SCAN_EMULATE_BF16") == "1", "set M3RUN_SCAN_EMULATE_BF16=1"
+        print(json.dumps(bf16_errors(int(sys.argv[sys.argv.index("--bf16") + 1]))))
+        return
     gen = torch.Generator().manual_seed(0)
     worst: dict[str, float] = {}
     for case in CASES:
