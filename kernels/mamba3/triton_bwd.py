@@ -1,5 +1,5 @@
-"""Triton backward of the Mamba-3 SISO scan: four kernels, no atomics, so two calls on the same
-inputs give bitwise-equal gradients.
+"""Triton backward of the Mamba-3 SISO scan: four kernels (five with the gate split), no
+atomics, so two calls on the same inputs give bitwise-equal gradients.
 
 1. ``siso_bwd_prep_kernel`` (grid: chunks × batch·groups, a loop over the group's heads):
    q̄ = R(Φ)(q + q_bias) and k̄ likewise, per head in the dot dtype, from the angle entering each
@@ -14,12 +14,18 @@ inputs give bitwise-equal gradients.
    gradient is a reverse cumsum over one chunk of ``∂L/∂A``, never a sequence-long sum.
 3. ``siso_bwd_post_kernel`` (grid: chunks × batch·groups, a loop over the group's heads): rotates
    ``dq̄, dk̄`` back (``da = Rᵀ dā``), sums them over the heads of a group in registers (g = 1:
-   all heads), the per-chunk bias partial sums, and the per-token angle gradient
-   ``dΦ = a_E da_O − a_O da_E`` (q and k) with its per-chunk sums.
+   all heads; or in blocks of heads, summed after), the per-chunk bias partial sums, and the
+   per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k, rotated frame, with the
+   dot-dtype q̄, k̄ of kernel 1) with its per-chunk sums.
 4. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
    over later chunks (PyTorch sums the (b·h, nc, s) chunk totals between kernels 3 and 4).
+
+When the launch plan sets ``split_gate``, ``siso_bwd_gate_kernel`` (grid: chunks × batch·heads)
+runs between kernels 1 and 2 and does the main kernel's work that needs no ``dG`` — do, dz,
+dcur, the inter-chunk decay term, the ``d`` partials — so the sequential kernel holds fewer
+tiles; the numbers are the same.
 
 What stays in PyTorch, each O(b·h·t) or smaller: the sum over chunks of the chunk totals, the
 trapezoid chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (it shifts by one token), and the sums
