@@ -43,6 +43,7 @@ from runner.supervisor.preflight import NvmlProbe, SmokeTest
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.supervisor import Supervisor
 from runner.supervisor.worker import worker_argv
+from runner.tracking import tracker_problem
 
 
 class LaunchError(Exception):
@@ -189,6 +190,18 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     return cfg, new_hash
 
 
+def _check_tracker(cfg: Any, run_dir: Path) -> None:
+    """A tracker that cannot start is an error at a run's first launch (the user asked for
+    tracking) and a warning once it has checkpoints (a tracker must never stop a run)."""
+    problem = tracker_problem(cfg.log.tracker)
+    if problem is None:
+        return
+    if any(c.complete for c in list_checkpoints(run_dir, verify=False)):
+        print(f"m3run launch: warning: {problem}; training goes on untracked", file=sys.stderr)
+        return
+    raise LaunchError(f"experiment tracker: {problem}", EXIT_CONFIG)
+
+
 def _check_path_text(run_dir: Path) -> None:
     """The run dir's path is recorded in state.json and events: it must be valid UTF-8."""
     try:
@@ -224,6 +237,7 @@ def launch(opts: LaunchOptions) -> int:
         cfg, chash = freeze_config(opts)
         for warning in cfg.warnings():
             print(f"m3run launch: warning: {warning}", file=sys.stderr)
+        _check_tracker(cfg, opts.run_dir)
         settings = SupervisorSettings.from_config(cfg)
         # No --lr-scale on a relaunch: a NaN rollback's LR cut lives in the checkpoints the
         # worker wrote after it.

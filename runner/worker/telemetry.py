@@ -1,11 +1,12 @@
 """What the worker tells the outside while it trains: heartbeat.json (the supervisor's hang
 detection and `m3run status`), the metrics.jsonl records, the console step line, the optional
-experiment tracker (wandb, when WANDB_PROJECT is set) and the MFU estimate."""
+experiment tracker (runner.tracking: wandb or TensorBoard) and the MFU estimate."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import math
 import os
 import time
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from runner.config import ConfigError, RunConfig, config_hash
+from runner.config import ConfigError, RunConfig
 from runner.files import append_jsonl, atomic_write_json
 from runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
 from runner.runstate import format_duration
+from runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
 
 from .dist import Dist
 
@@ -217,28 +219,23 @@ class Telemetry:
     # ---- the experiment tracker ----
 
     def start_tracker(self, resumed: bool) -> None:
-        """Start wandb when WANDB_PROJECT is set. A failure is a ConfigError at the first
-        launch (the user asked for tracking) and a warning on resume (never kill a run)."""
-        project = os.environ.get("WANDB_PROJECT")
-        if not project:
+        """Start the experiment tracker runner.tracking chooses (writer ranks only). A failure
+        is a ConfigError at the first launch (the user asked for tracking) and a warning on
+        resume (a tracker must never kill a run)."""
+        kind = resolve_tracker(self.cfg.log.tracker)
+        if kind == "none" or not self.dist.writer:
             return
         try:
-            import wandb  # optional: only when WANDB_PROJECT is set
-
-            self.tracker = wandb.init(
-                project=project,
-                name=self.run_dir.name,
-                dir=str(self.run_dir),
-                config=self.cfg.model_dump(mode="json"),
-                resume="allow",
-                id=f"m3run-{config_hash(self.cfg)[:12]}",
-            )
+            problem = tracker_problem(self.cfg.log.tracker, check_login=False)
+            if problem is not None:
+                raise RuntimeError(problem)
+            self.tracker = _start(kind, self.cfg, self.run_dir)
         except Exception as e:
             if not resumed:
                 raise ConfigError(
-                    f"WANDB_PROJECT={project} is set but the experiment tracker failed to start: "
-                    f"{type(e).__name__}: {e}. Fix: install and log in to wandb "
-                    "(`pip install wandb; wandb login`), or unset WANDB_PROJECT."
+                    f"{why_chosen(self.cfg.log.tracker)}, but the experiment tracker ({kind}) "
+                    f"failed to start: {type(e).__name__}: {e}. Fix: install and log in to it, "
+                    "or set log.tracker: none (and unset WANDB_PROJECT)"
                 ) from e
             print(f"warning: experiment tracker unavailable on resume ({e}); training goes on")
             self.tracker = None
@@ -246,10 +243,13 @@ class Telemetry:
     def track(self, record: dict) -> None:
         if self.tracker is None:
             return
+        numbers = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")
+        }
         try:
-            self.tracker.log(
-                {k: v for k, v in record.items() if k != "kind"}, step=self.current_step()
-            )
+            self.tracker.log(numbers, self.current_step())
         except Exception as e:  # a tracker outage must never kill a running job
             print(f"warning: experiment tracker failed ({e}); disabling it for this process")
             self.tracker = None
@@ -257,4 +257,49 @@ class Telemetry:
     def close(self) -> None:
         if self.tracker is not None:
             with contextlib.suppress(Exception):
-                self.tracker.finish()
+                self.tracker.close()
+
+
+class _Wandb:
+    """wandb, keyed on the run dir: a relaunch of the same run dir continues the same wandb run
+    (two run dirs with one config are two runs)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        import wandb
+
+        key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "m3run",
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=cfg.model_dump(mode="json"),
+            resume="allow",
+            id=f"m3run-{key}",
+        )
+
+    def log(self, values: dict, step: int) -> None:
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _TensorBoard:
+    """TensorBoard event files in RUN_DIR/tensorboard/, one scalar per metric."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+
+    def log(self, values: dict, step: int) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _start(kind: str, cfg: RunConfig, run_dir: Path) -> _Wandb | _TensorBoard:
+    return {"wandb": _Wandb, "tensorboard": _TensorBoard}[kind](cfg, run_dir)

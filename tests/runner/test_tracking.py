@@ -1,0 +1,104 @@
+"""Experiment trackers: the choice (log.tracker, M3RUN_TRACKER, WANDB_PROJECT), one clear error
+at launch when the chosen one cannot start, TensorBoard files beside metrics.jsonl, and a wandb
+run keyed on the run dir."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+from helpers.training import run_worker
+
+from runner.files import read_jsonl
+from runner.protocol import EXIT_CONFIG, METRICS_FILE
+from runner.tracking import resolve_tracker, tracker_problem
+
+
+def test_the_environment_overrides_the_configured_tracker():
+    assert resolve_tracker("none", {}) == "none"
+    assert resolve_tracker("none", {"WANDB_PROJECT": "x"}) == "wandb"
+    assert resolve_tracker("wandb", {"M3RUN_TRACKER": "tensorboard"}) == "tensorboard"
+    assert "not a tracker" in tracker_problem("none", {"M3RUN_TRACKER": "mlflow"})
+    no_login = tracker_problem("none", {"WANDB_PROJECT": "x", "HOME": "/nonexistent"})
+    if importlib.util.find_spec("wandb") is not None:
+        assert "wandb login" in no_login
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is not None,
+    reason="wandb is installed here: this checks the launch without it",
+)
+def test_wandb_project_without_wandb_is_one_clear_error_at_launch(corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "runner.cli",
+        "launch",
+        str(DEMO_CONFIG),
+        "--run-dir",
+        str(run_dir),
+    ]
+    for kv in tiny_run_overrides(corpus):
+        argv += ["--set", kv]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, cwd=REPO, timeout=120,
+        env=worker_env(WANDB_PROJECT="x"),
+    )  # fmt: skip
+    assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
+    assert "WANDB_PROJECT=x is set but wandb is not installed" in done.stderr
+    assert "pip install 'm3run[wandb]'" in done.stderr and "Traceback" not in done.stderr
+    assert not (run_dir / "worker.log").exists(), "the worker started anyway"
+
+
+@pytest.mark.slow
+def test_tensorboard_writes_the_logged_metrics_beside_metrics_jsonl(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    sets = tiny_run_overrides(corpus, **{"train.total_steps": 6, "log.tracker": "tensorboard"})
+    done = run_worker(run_dir, sets)
+    assert done.returncode == 0, done.stderr
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    train = {
+        r["step"]: r["loss"] for r in read_jsonl(run_dir / METRICS_FILE) if r["kind"] == "train"
+    }
+    assert logged.keys() == train.keys()
+    assert all(logged[s] == pytest.approx(train[s], rel=1e-6) for s in train)
+
+
+@pytest.mark.slow
+def test_a_wandb_run_is_keyed_on_the_run_dir_not_the_config(corpus, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "wandb.py").write_text(
+        "import json, os\n"
+        "class Run:\n"
+        "    def log(self, *a, **k): pass\n"
+        "    def finish(self): pass\n"
+        "def init(**kw):\n"
+        "    with open(os.environ['IDS'], 'a') as f:\n"
+        "        f.write(json.dumps(kw['id']) + '\\n')\n"
+        "    return Run()\n"
+    )
+    ids = tmp_path / "ids.jsonl"
+    env = worker_env(
+        WANDB_PROJECT="m3", IDS=str(ids),
+        PYTHONPATH=os.pathsep.join([str(site), str(REPO)]),
+    )  # fmt: skip
+    sets = tiny_run_overrides(corpus, **{"train.total_steps": 2})
+    for name in ("a", "b"):
+        assert run_worker(tmp_path / name, sets, env=env).returncode == 0
+    relaunch = [*sets, "train.total_steps=3"]
+    assert run_worker(tmp_path / "a", relaunch, "--force", env=env).returncode == 0
+    a, b, a_again = (json.loads(line) for line in ids.read_text().splitlines())
+    assert a != b, "two run dirs with one config share a wandb run"
+    assert a == a_again, "a relaunch of the same run dir starts a new wandb run"
