@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.runs import REPO
 
 PACKAGES = ("runner", "model", "kernels")
