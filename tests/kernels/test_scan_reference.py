@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.scan_inputs import slice_time
 
 from kernels.mamba3 import (
     BackendUnavailableError,
@@ -161,19 +162,6 @@ def test_gradients_chunked_equal_recurrent(kw):
     g_r = torch.autograd.grad(loss(mamba3_siso_recurrent), list(leaves.values()))
     for name, a, b in zip(leaves, g_c, g_r, strict=True):
         assert rel(a, b) <= 1e-10, name
-
-
-def slice_time(x, lo, hi):
-    """The scan inputs of tokens [lo, hi) (per-head parameters unchanged)."""
-    out = {}
-    for key, val in x.items():
-        if val is None or key in ("q_bias", "k_bias", "d"):
-            out[key] = val
-        elif key in ("adt", "dt", "trap"):
-            out[key] = val[..., lo:hi]
-        else:
-            out[key] = val[:, lo:hi]
-    return out
 
 
 @pytest.mark.parametrize("t1", [1, 13, 16, 36])

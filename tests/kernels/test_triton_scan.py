@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_scan_reference import slice_time as _slice
+from helpers.scan_inputs import slice_time as _slice
 
 from kernels.mamba3 import mamba3_siso
 
