@@ -166,3 +166,18 @@ def test_the_walk_sees_the_layout():
     for name in ("runner.supervisor.supervisor", "runner.protocol", "runner.checkpoint.io"):
         assert name in MODULES
     assert "runner.protocol" in GRAPH["runner.supervisor.supervisor"]
+
+
+def test_no_test_module_imports_another():
+    tests = REPO / "tests"
+    names = {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+    bad = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module]
+            bad += [f"{path.relative_to(REPO)} imports {t}" for t in targets if t in names]
+    assert not bad, bad
