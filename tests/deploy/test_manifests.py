@@ -564,12 +564,6 @@ def test_liveness_check_is_a_real_cli_option():
 
 @pytest.mark.parametrize("command", sorted(commands_used()))
 def test_every_command_the_manifests_run_exists(command):
-    listed = CliRunner().invoke(app, ["--help"]).output
-    if command == "prepare-data" and "prepare-data" not in listed:
-        pytest.xfail(
-            "`m3run prepare-data` is not in runner/cli.py yet (compose's prepare "
-            "service and runner/data/'s messages call it)"
-        )
     r = CliRunner().invoke(app, [command, "--help"])
     assert r.exit_code == 0, r.output
 
