@@ -58,6 +58,15 @@ def launch(
             "-d", "--detach", help="Run the supervisor in the background; return once it runs."
         ),
     ] = False,
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            metavar="text|json",
+            help="Console lines: text (ISO-8601 UTC timestamps; NO_COLOR honoured) or json "
+            "(one object per line, the worker's output included).",
+        ),
+    ] = "text",
     smoke: Annotated[
         bool,
         typer.Option(
@@ -82,6 +91,8 @@ def launch(
         resume = supervisor.check_resume(resume)
     except supervisor.LaunchError as e:
         raise fail(f"m3run launch: {e}", 2) from None
+    if log_format not in ("text", "json"):
+        raise fail(f"m3run launch: --log-format must be text or json, got {log_format!r}", 2)
     from runner.runstate import runs_root_dir
 
     run_dir = run_dir if run_dir is not None else runs_root_dir() / (name or config.stem)
@@ -93,6 +104,7 @@ def launch(
         force=force,
         console=True,
         smoke=smoke,
+        log_format=log_format,
     )
     code = supervisor.launch_detached(opts) if detach else supervisor.launch(opts)
     raise typer.Exit(code)

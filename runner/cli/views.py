@@ -49,10 +49,10 @@ def status(
     from runner.protocol import ACTIVE_PHASES
 
     try:
-        if as_json:  # one JSON object per refresh, for scripts
+        if as_json or not sys.stdout.isatty():  # a frame per refresh: scripts, pipes, logs
             while True:
                 text, phase = render()
-                typer.echo(text)
+                typer.echo(text if as_json else text + "\n")
                 if phase not in ACTIVE_PHASES:
                     return
                 time.sleep(interval)

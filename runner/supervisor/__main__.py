@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_p.add_argument("--resume", default="latest")
     run_p.add_argument("--force", action="store_true")
     run_p.add_argument("--smoke", action="store_true", help="run the smoke test in any case")
+    run_p.add_argument("--log-format", choices=("text", "json"), default="text")
     run_p.add_argument(
         "--console", action="store_true", help="echo events and worker output on stdout"
     )
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             force=args.force,
             console=args.console,
             smoke=args.smoke,
+            log_format=args.log_format,
         )
     )
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,47 +16,45 @@ import structlog
 from runner.files import RunDirWriteError, append_jsonl, open_append
 from runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
 
+LOG_FORMATS = ("text", "json")
+
+
+def iso_time(t: float) -> str:
+    """ISO-8601 UTC with milliseconds: 2026-12-01T10:42:07.123Z."""
+    stamp = datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
 
 class EventLog:
-    """Supervisor transitions: one record in events.jsonl, one structured line in
-    supervisor.log (JSON), and optionally one line on the console (human on a terminal,
-    JSON otherwise)."""
+    """Supervisor transitions: one record in events.jsonl, one JSON line in supervisor.log, and
+    with `console` one line on stdout. The console is one format for every line, the worker's
+    echoed output included (what `docker logs` and `kubectl logs` show): `text` (the default),
+    an ISO-8601 UTC timestamp, the source and a short message, colour only on a terminal without
+    NO_COLOR; or `json`, one object per line."""
 
-    def __init__(self, run_dir: Path, console: bool):
+    def __init__(self, run_dir: Path, console: bool, log_format: str = "text"):
+        if log_format not in LOG_FORMATS:
+            raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
         self.run_dir = run_dir
         self._file = open_append(run_dir / SUPERVISOR_LOG)
-        timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
         self._log = structlog.wrap_logger(
             structlog.PrintLogger(self._file),
             processors=[
                 structlog.processors.add_log_level,
-                timestamper,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
                 structlog.processors.JSONRenderer(sort_keys=True),
             ],
         )
-        self._console = None
-        if console:
-            tty = sys.stdout.isatty()
-            renderer = (
-                structlog.dev.ConsoleRenderer(colors=True)
-                if tty
-                else structlog.processors.JSONRenderer(sort_keys=True)
-            )
-            self._console = structlog.wrap_logger(
-                structlog.PrintLogger(sys.stdout),
-                processors=[
-                    structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
-                    renderer,
-                ],
-            )
+        self._console = console
+        self._json = log_format == "json"
+        self._color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
     def emit(
         self, event: str, reason: str | None = None, level: str = "info", **fields: Any
     ) -> None:
         record = {"time": time.time(), "event": event, "reason": reason, **fields}
-        if self._console is not None:
-            getattr(self._console, level)(event, reason=reason, **fields)
+        if self._console:
+            self._print(record, level)
         try:
             append_jsonl(self.run_dir / EVENTS_FILE, record)
         except OSError as e:
@@ -63,12 +64,49 @@ class EventLog:
         except OSError as e:
             raise RunDirWriteError.wrap(e, self.run_dir / SUPERVISOR_LOG) from e
 
+    def _print(self, record: dict, level: str) -> None:
+        when = iso_time(record["time"])
+        if self._json:
+            line = json.dumps(
+                {**record, "time": when, "source": "supervisor", "level": level},
+                sort_keys=True,
+                default=str,
+            )
+        else:
+            # Scalars only: the health report, argv and the like stay in events.jsonl.
+            extra = " ".join(
+                f"{k}={v}"
+                for k, v in record.items()
+                if k not in ("time", "event", "reason")
+                and isinstance(v, (str, int, float))
+                and not isinstance(v, bool)
+            )
+            tag = level.upper()
+            if self._color and level in _COLORS:
+                tag = f"\033[{_COLORS[level]}m{tag}\033[0m"
+            reason = f": {record['reason']}" if record["reason"] else ""
+            line = f"{when} supervisor {tag} {record['event']}{reason}" + (
+                f"  ({extra})" if extra else ""
+            )
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
     def echo(self, line: str) -> None:
-        """A child's output line in the foreground console."""
-        if self._console is not None:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+        """A child's output line (the worker's, the smoke test's) in the console's format."""
+        if not self._console:
+            return
+        text = line.rstrip("\n")
+        when = iso_time(time.time())
+        if self._json:
+            out = json.dumps({"time": when, "source": "worker", "line": text})
+        else:
+            out = f"{when} worker {text}"
+        sys.stdout.write(out + "\n")
+        sys.stdout.flush()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a full disk may refuse the last flush
             self._file.close()
+
+
+_COLORS = {"warning": "33", "error": "31"}

@@ -96,6 +96,7 @@ class LaunchOptions:
     force: bool = False
     console: bool = True
     smoke: bool = False  # run the smoke test even where it passed for this config and device
+    log_format: str = "text"  # the console's: text or json
 
 
 def check_resume(value: str) -> str:
@@ -247,6 +248,7 @@ def launch(opts: LaunchOptions) -> int:
             worker_argv(opts.run_dir, cfg.distributed, start_over=opts.force),
             resume=resume,
             console=opts.console,
+            log_format=opts.log_format,
             config_hash=chash,
             gpu=NvmlProbe(settings.health_timeout_s),
             smoke=SmokeTest(opts.run_dir / CONFIG_FILE, always=opts.smoke)
@@ -292,6 +294,7 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
         argv.append("--force")
     if opts.smoke:
         argv.append("--smoke")
+    argv += ["--log-format", opts.log_format]
     log_path = opts.run_dir / SUPERVISOR_LOG
     proc, offset = spawn_logged(argv, log_path)
     deadline = time.monotonic() + wait_s

@@ -91,6 +91,7 @@ class Supervisor:
         resume: str = "latest",
         lr_scale: float = 1.0,
         console: bool = False,
+        log_format: str = "text",
         config_hash: str | None = None,
         gpu: GpuProbe | None = None,
         smoke: SmokeTest | None = None,
@@ -106,7 +107,7 @@ class Supervisor:
         self.smoke = smoke
         self.env = dict(os.environ if env is None else env)
         self.handle_signals = handle_signals
-        self.log = EventLog(self.run_dir, console)
+        self.log = EventLog(self.run_dir, console, log_format)
 
         self.stops = StopControl(self.run_dir, settings.stop_grace_s)
         self.worker: WorkerProcess | None = None

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -561,3 +562,20 @@ def test_status_of_a_failed_cpu_run_shows_its_error_and_no_gpu_rows(tmp_path):
     out = invoke("status", run_dir, "--no-gpu").output
     assert "error: token ids out of range in shard-00001.bin" in out
     assert "ETA" not in out and "vram" not in out and "MFU" not in out, out
+
+
+def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
+    run_dir = write_run(tmp_path / "r")
+
+    def finish_later():
+        time.sleep(1.0)
+        state = read_json(run_dir / STATE_FILE)
+        state["phase"] = "finished"
+        (run_dir / STATE_FILE).write_text(json.dumps(state))
+
+    threading.Thread(target=finish_later).start()
+    out = invoke("status", run_dir, "--watch", "--interval", "0.2", "--no-gpu").output
+    frames = out.count("phase      ")
+    assert frames >= 3, out
+    assert out.rstrip().splitlines()[1].startswith("phase      running")
+    assert "phase      finished" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -796,3 +797,33 @@ def test_loading_and_compiling_keep_the_full_startup_allowance(tmp_path):
     assert hang.allowance(_hb(phase="startup")) < 600.0
     assert hang.allowance(_hb(phase="loading")) == 600.0
     assert hang.allowance(_hb(phase="compiling")) == 600.0
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_console_is_one_format_with_utc_timestamps_worker_lines_included(
+    tmp_path, standin, capsys, log_format
+):
+    run_dir = make_run(tmp_path, [{"steps": 3, "ckpt_every": 2}])
+    sup = Supervisor(
+        run_dir,
+        settings(),
+        argv_for(standin, run_dir),
+        console=True,
+        log_format=log_format,
+        handle_signals=False,
+        gpu=FakeGpu(["healthy"]),
+    )
+    assert sup.run() == EXIT_OK
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    sources = set()
+    for line in lines:
+        if log_format == "json":
+            rec = json.loads(line)
+            assert re.fullmatch(stamp, rec["time"]), line
+            sources.add(rec["source"])
+        else:
+            assert re.match(stamp + r" (supervisor|worker) ", line), line
+            sources.add(line.split()[1])
+            assert "devices" not in line, "the health report belongs in events.jsonl"
+    assert sources == {"supervisor", "worker"}
