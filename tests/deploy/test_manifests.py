@@ -203,11 +203,7 @@ def test_the_dependency_layer_lists_the_projects_requirements():
 def test_the_images_extras_exist():
     defined = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     missing = [e for e in IMAGE_EXTRAS if e not in defined["optional-dependencies"]]
-    if missing:
-        pytest.xfail(
-            f"pyproject.toml has no {', '.join(missing)} extra yet (issue 18 adds the tracker "
-            "extras); until then the image build stops at its dependency layer, naming them"
-        )
+    assert not missing, f"the image installs extras pyproject.toml does not define: {missing}"
     assert project_requirements(*IMAGE_EXTRAS).returncode == 0
 
 
