@@ -307,15 +307,6 @@ class EvalConfig(_Section):
 class LogConfig(_Section):
     """Metrics and heartbeat cadence, and the experiment tracker."""
 
-    tracker: Literal["none", "wandb", "tensorboard"] = Field(
-        "none",
-        description=(
-            "Experiment tracker beside metrics.jsonl: wandb (extra m3run[wandb]; project from "
-            "WANDB_PROJECT) or tensorboard (extra m3run[tensorboard]; RUN_DIR/tensorboard/). "
-            "M3RUN_TRACKER overrides it, and WANDB_PROJECT alone selects wandb."
-        ),
-    )
-
     interval_steps: int = Field(
         10, ge=1, description="Append a metrics.jsonl record every this many steps."
     )
@@ -325,6 +316,15 @@ class LogConfig(_Section):
         description=(
             "heartbeat.json is rewritten after optimizer steps at most this often (seconds), "
             "and always on a phase change."
+        ),
+    )
+
+    tracker: Literal["none", "wandb", "tensorboard"] = Field(
+        "none",
+        description=(
+            "Experiment tracker beside metrics.jsonl: wandb (extra m3run[wandb]; project from "
+            "WANDB_PROJECT) or tensorboard (extra m3run[tensorboard]; RUN_DIR/tensorboard/). "
+            "M3RUN_TRACKER overrides it, and WANDB_PROJECT alone selects wandb."
         ),
     )
 
