@@ -167,6 +167,17 @@ def _ready_tokenizer(spec: str) -> Tokenizer | None:
     )
 
 
+def _reported(docs, bar: Progress):
+    """The documents' texts, advancing the progress line as the tokenizer trainer reads them
+    (BPE training reads the whole corpus first: a long wait that must not look stuck)."""
+    seen = 0
+    for text, _, _ in docs:
+        yield text
+        bar.advance(docs.bytes_read - seen, documents=1)
+        seen = docs.bytes_read
+    bar.advance(docs.bytes_read - seen)
+
+
 def _tokenizer_record(spec: str, tok: Tokenizer, trained: Path | None) -> dict:
     if trained is not None:
         # The path is relative to the manifest's directory.
@@ -339,8 +350,7 @@ def prepare_data(
             bpe_size = parse_bpe_spec(tokenizer)
             bar.phase(f"training bpe:{bpe_size}", total_bytes)
             trained = out / "tokenizer.json"
-            train_bpe((text for text, _, _ in docs), bpe_size, trained)
-            bar.advance(docs.bytes_read)
+            train_bpe(_reported(docs, bar), bpe_size, trained)
             bar.done()
             if docs.bytes_read == 0:
                 raise DataError(no_documents_message(resolved, max_bytes))

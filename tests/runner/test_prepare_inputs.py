@@ -325,3 +325,19 @@ def test_progress_lines_off_a_terminal(docs, tokenizer, tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("prepare-data: tokenising")]
     assert lines and "done: " in lines[-1] and "300 documents" in lines[-1] and "MB/s" in lines[-1]
+
+
+def test_tokenizer_training_reports_progress_off_a_terminal(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "runner.cli", "prepare-data", "stdlib", "--tokenizer", "bpe:300",
+         "--max-bytes", "200000", "--progress-interval", "0", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # Lines while the trainer reads the corpus, each further along (not one at its end).
+    during = {
+        ln.split(": ")[2].split(",")[0]
+        for ln in done.stderr.splitlines()
+        if "training bpe:300:" in ln and " MB of text" in ln
+    }
+    assert len(during) >= 2, done.stderr
