@@ -827,3 +827,27 @@ def test_console_is_one_format_with_utc_timestamps_worker_lines_included(
             sources.add(line.split()[1])
             assert "devices" not in line, "the health report belongs in events.jsonl"
     assert sources == {"supervisor", "worker"}
+
+
+def test_extending_a_finished_run_warns_how_the_learning_rate_jumps(tmp_path, capsys):
+    from runner.checkpoint.io import save_checkpoint
+    from runner.config import load_config
+    from runner.schedule import lr_at
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    freeze_config(_demo_opts(run_dir, "train.total_steps=300"))
+    save_checkpoint(run_dir, 300, {"w": torch_zeros()}, {"state": {}, "param_groups": []}, {})
+    capsys.readouterr()
+    cfg, _ = freeze_config(_demo_opts(run_dir, "train.total_steps=600", force=True))
+    err = capsys.readouterr().err
+    before = lr_at(load_config(REPO / "configs" / "demo_cpu.yaml", ["train.total_steps=300"]), 301)
+    after = lr_at(cfg, 301)
+    assert f"the LR jumps from {before:.3g} (the frozen config) to {after:.3g}" in err, err
+    assert after > before
+
+
+def torch_zeros():
+    import torch
+
+    return torch.zeros(2)
