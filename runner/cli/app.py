@@ -23,6 +23,13 @@ app = typer.Typer(
 )
 
 RUN_HELP = "Run directory path, or a run name under ./runs/ (default: the latest run there)."
+# `--set SECTION.KEY=VALUE`, repeatable: the option every command that loads a config takes.
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
+    ),
+]
 
 
 def _version(value: bool) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from runner.cli.app import RUN_HELP, app, fail, run_dir_of
+from runner.cli.app import RUN_HELP, Overrides, app, fail, run_dir_of
 
 
 @app.command(
@@ -34,12 +34,7 @@ def launch(
             help="Run name: the run directory is runs/<name> (default: the config file's stem).",
         ),
     ] = None,
-    overrides: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
-        ),
-    ] = None,
+    overrides: Overrides = None,
     resume: Annotated[
         str,
         typer.Option(
@@ -150,12 +145,7 @@ def train(
     run_dir: Annotated[
         Path, typer.Option("--run-dir", metavar="DIR", help="Run directory (created if missing).")
     ],
-    overrides: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
-        ),
-    ] = None,
+    overrides: Overrides = None,
     resume: Annotated[
         str,
         typer.Option(
@@ -181,12 +171,7 @@ def train(
 @app.command(epilog="Exit codes: 0 every check passed or was skipped, 78 a check failed.")
 def smoke(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="YAML run config.")],
-    overrides: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--set", metavar="SECTION.KEY=VALUE", help="Override a config value (repeatable)."
-        ),
-    ] = None,
+    overrides: Overrides = None,
 ) -> None:
     """Preflight smoke test: numbered checks from CUDA/bf16 to peak memory."""
     from runner.config import ConfigError, load_config

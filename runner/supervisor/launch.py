@@ -215,6 +215,16 @@ def _check_path_text(run_dir: Path) -> None:
         ) from None
 
 
+def _refused(err: LaunchError | OSError) -> int:
+    """Print why the launch is refused; its exit code (78 for a run dir that cannot be
+    written)."""
+    if isinstance(err, LaunchError):
+        print(f"m3run launch: {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"m3run launch: {describe_os_error(err)}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
 def launch(opts: LaunchOptions) -> int:
     """Take the run dir's lock, freeze the config and supervise the run in this process.
     Returns the supervisor's exit code; refusals print their reason to stderr. A launch refused
@@ -227,12 +237,8 @@ def launch(opts: LaunchOptions) -> int:
         refuse_symlinks(opts.run_dir, RUN_DIR_FILES, (RANK_HEARTBEAT_GLOB, WORKER_EXIT_GLOB))
         lock = RunLock(opts.run_dir)
         lock.acquire()
-    except LaunchError as e:
-        print(f"m3run launch: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:
-        print(f"m3run launch: {describe_os_error(e)}", file=sys.stderr)
-        return EXIT_CONFIG
+    except (LaunchError, OSError) as e:
+        return _refused(e)
     sup = None
     try:
         cfg, chash = freeze_config(opts)
@@ -255,12 +261,8 @@ def launch(opts: LaunchOptions) -> int:
             if settings.smoke
             else None,
         )
-    except LaunchError as e:
-        print(f"m3run launch: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:
-        print(f"m3run launch: {describe_os_error(e)}", file=sys.stderr)
-        return EXIT_CONFIG
+    except (LaunchError, OSError) as e:
+        return _refused(e)
     finally:
         if sup is None and created:
             lock.discard()

@@ -43,24 +43,22 @@ def fast_env(**extra: str) -> dict:
     return worker_env(OMP_NUM_THREADS="1", **extra)
 
 
+def launch_argv(run_dir: Path, sets: list[str], *extra: str) -> list[str]:
+    """`m3run launch` of the demo recipe into `run_dir` with `--set` overrides, then `extra`."""
+    argv = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG)]
+    argv += ["--run-dir", str(run_dir), *extra]
+    for kv in sets:
+        argv += ["--set", kv]
+    return argv
+
+
 class Run:
     """One `m3run launch` in the foreground, in a subprocess, its output kept in a file."""
 
     def __init__(self, run_dir: Path, sets: list[str], *extra: str, env: dict | None = None):
         self.run_dir = run_dir
         self.out = run_dir.parent / f"{run_dir.name}.launch.{time.monotonic_ns()}.txt"
-        argv = [
-            sys.executable,
-            "-m",
-            "runner.cli",
-            "launch",
-            str(DEMO_CONFIG),
-            "--run-dir",
-            str(run_dir),
-            *extra,
-        ]
-        for kv in sets:
-            argv += ["--set", kv]
+        argv = launch_argv(run_dir, sets, *extra)
         with open(self.out, "w") as f:
             self.proc = subprocess.Popen(
                 argv, stdout=f, stderr=subprocess.STDOUT, env=env or fast_env(), cwd=REPO

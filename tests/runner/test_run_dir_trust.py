@@ -7,11 +7,11 @@ import contextlib
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+from helpers.launching import launch_argv
+from helpers.runs import REPO, tiny_run_overrides, worker_env
 from helpers.training import worker_cmd
 
 from runner.files import append_jsonl, atomic_write_json, open_append
@@ -35,19 +35,8 @@ def _mode(path: Path) -> int:
 
 
 def _launch(run_dir: Path, sets: list[str], umask: int = 0o022) -> subprocess.CompletedProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "runner.cli",
-        "launch",
-        str(DEMO_CONFIG),
-        "--run-dir",
-        str(run_dir),
-    ]
-    for kv in sets:
-        argv += ["--set", kv]
     return subprocess.run(
-        argv,
+        launch_argv(run_dir, sets),
         capture_output=True,
         text=True,
         env=worker_env(OMP_NUM_THREADS="1"),

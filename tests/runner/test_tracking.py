@@ -8,10 +8,10 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
+from helpers.launching import launch_argv
+from helpers.runs import REPO, tiny_run_overrides, worker_env
 from helpers.training import run_worker
 
 from runner.files import read_jsonl
@@ -36,21 +36,14 @@ def test_the_environment_overrides_the_configured_tracker():
 )
 def test_wandb_project_without_wandb_is_one_clear_error_at_launch(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "runner.cli",
-        "launch",
-        str(DEMO_CONFIG),
-        "--run-dir",
-        str(run_dir),
-    ]
-    for kv in tiny_run_overrides(corpus):
-        argv += ["--set", kv]
     done = subprocess.run(
-        argv, capture_output=True, text=True, cwd=REPO, timeout=120,
+        launch_argv(run_dir, tiny_run_overrides(corpus)),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
         env=worker_env(WANDB_PROJECT="x"),
-    )  # fmt: skip
+    )
     assert done.returncode == EXIT_CONFIG, done.stdout + done.stderr
     assert "WANDB_PROJECT=x is set but wandb is not installed" in done.stderr
     assert "pip install 'm3run[wandb]'" in done.stderr and "Traceback" not in done.stderr
