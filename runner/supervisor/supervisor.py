@@ -22,7 +22,7 @@ Before a relaunch the dead worker's GPU memory must be released and the GPU heal
 
 SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
 as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
-SIGKILLed. A second signal kills it at once.
+SIGKILLed. A repeated SIGTERM waits for that save; a second Ctrl-C (SIGINT) kills it at once.
 
 Stop timeouts. ``stop_grace_s`` (default 120 s: a 435M checkpoint with optimizer state is ~5 GB)
 must fit inside the container runtime's own stop timeout, or the runtime SIGKILLs everything
@@ -131,7 +131,8 @@ class Supervisor:
 
     def request_stop(self, kind: str, detail: str) -> None:
         """Stop the run (kind "user") or save-and-exit for preemption ("preempted"). Safe to
-        call from a signal handler or another thread. A second request kills the worker now."""
+        call from a signal handler or another thread. A repeated request waits for the save the
+        first one started (runner.supervisor.stops)."""
         self.stops.request(kind, detail)
 
     def run(self) -> int:
