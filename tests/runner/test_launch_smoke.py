@@ -4,33 +4,40 @@ says so."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers.launching import Run, overrides
 
 from runner.files import read_jsonl
 from runner.protocol import EVENTS_FILE, EXIT_OK
-
-pytestmark = pytest.mark.slow
+from runner.supervisor.preflight import SmokeTest
 
 
 def _smoke_events(run_dir) -> list[str]:
     return [e["reason"] for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == "smoke"]
 
 
-def test_smoke_runs_on_first_launch_change_and_request_and_is_skipped_otherwise(corpus, tmp_path):
+@pytest.mark.slow
+def test_smoke_runs_on_first_launch_and_is_skipped_on_an_unchanged_relaunch(corpus, tmp_path):
     run_dir = tmp_path / "run"
     sets = overrides(corpus, **{"train.total_steps": 4, "supervisor.smoke": "true"})
-
-    def launch(*extra: str, changes: tuple[str, ...] = ()) -> str:
-        run = Run(run_dir, [*sets, *changes], *extra)
+    for _ in range(2):
+        run = Run(run_dir, sets)
         assert run.wait() == EXIT_OK, run.output()
-        return _smoke_events(run_dir)[-1]
+    first, second = _smoke_events(run_dir)
+    assert "ran: first launch" in first
+    assert second.startswith("skipped: it passed for this config on host:"), second
+    assert "--smoke" in second
 
-    assert "ran: first launch" in launch()
-    skipped = launch()
-    assert skipped.startswith("skipped: it passed for this config on host:"), skipped
-    assert "--smoke" in skipped
-    assert "ran: --smoke was given" in launch("--smoke")
-    changed = launch("--force", changes=("train.total_steps=6",))
-    assert "ran: the config changed since the last smoke test" in changed
-    assert len(_smoke_events(run_dir)) == 4
+
+def test_smoke_runs_again_on_request_another_config_or_another_device():
+    smoke, forced = SmokeTest(Path("config.yaml")), SmokeTest(Path("config.yaml"), always=True)
+    passed = {"config_hash": "h1", "device": "GPU-a", "time": 0.0}
+    assert smoke.reason_to_run(passed, "h1", "GPU-a") is None
+    assert forced.reason_to_run(passed, "h1", "GPU-a") == "--smoke was given"
+    assert smoke.reason_to_run(None, "h1", "GPU-a") == "first launch of this run dir"
+    assert "config changed" in smoke.reason_to_run(passed, "h2", "GPU-a")
+    assert "another device (GPU-b; the last smoke test passed on GPU-a)" in smoke.reason_to_run(
+        passed, "h1", "GPU-b"
+    )
