@@ -130,8 +130,15 @@ def umask() -> int:
 
 
 def apply_umask(path: str | os.PathLike) -> None:
-    """Give a file written by a library that creates it 0600 the mode the umask allows."""
-    os.chmod(path, _CREATE_MODE & ~umask(), follow_symlinks=False)
+    """Give a file written by a library that creates it 0600 the mode the umask allows. The
+    file is one this process has just created (a symbolic link there would have been written
+    through already), so it is changed through an open descriptor, which also works where the
+    C library has no lchmod."""
+    fd = _open(Path(path), os.O_RDONLY)
+    try:
+        os.fchmod(fd, _CREATE_MODE & ~umask())
+    finally:
+        os.close(fd)
 
 
 def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> str:

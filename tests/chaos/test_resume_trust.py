@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 
 import psutil
@@ -47,14 +48,23 @@ def _flip(path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.fixture
-def trained(corpus, tmp_path):
-    """A run dir with checkpoints at steps 5 and 10 (a finished 10-step run)."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """A finished 10-step run with checkpoints at steps 5 and 10, trained once per module."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
     sets = tiny_run_overrides(corpus, **{"train.total_steps": 10})
     done = run_worker(run_dir, sets)
     assert done.returncode == EXIT_OK, done.stderr
     assert [c.step for c in list_checkpoints(run_dir)] == [5, 10]
+    return run_dir, sets
+
+
+@pytest.fixture
+def trained(finished_run, tmp_path):
+    """A copy of the finished run for one test to damage."""
+    source, sets = finished_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir, ignore=shutil.ignore_patterns("*.lock"))
     return run_dir, sets
 
 
