@@ -3,11 +3,14 @@ logged."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from helpers.runs import DEMO_CONFIG, worker_env
+from runner.checkpoint.layout import latest_complete
 from runner.files import read_jsonl
 from runner.protocol import METRICS_FILE
 
@@ -39,3 +42,23 @@ def train_losses(run_dir: Path) -> dict[int, float]:
             assert out.get(rec["step"], rec["loss"]) == rec["loss"], rec
             out[rec["step"]] = rec["loss"]
     return out
+
+
+def sigterm_worker_at(run_dir: Path, overrides: list[str], step: int = 12) -> int:
+    """Start the worker, SIGTERM it once it has logged `step`, check it saved and exited 75
+    before the end of the 30-step run; the step it stopped at."""
+    proc = subprocess.Popen(
+        worker_cmd(run_dir, overrides),
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline and max(train_losses(run_dir) or [0]) < step:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 75, out
+    stopped_at = latest_complete(run_dir).step
+    assert step <= stopped_at < 30, out
+    return stopped_at

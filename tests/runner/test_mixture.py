@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers.runs import tiny_run_overrides, worker_env
+from helpers.runs import tiny_run_overrides
 from helpers.tokens import text
-from helpers.training import run_worker, train_losses, worker_cmd
+from helpers.training import run_worker, sigterm_worker_at, train_losses
 from safetensors.torch import load_file
 
 from runner.checkpoint.layout import latest_complete
@@ -263,17 +260,7 @@ def test_sigterm_then_resume_of_a_mixed_run_is_bitwise(corpus, second_source, tm
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov), env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    deadline = time.time() + 180
-    while time.time() < deadline and max(train_losses(run_dir) or [0]) < 12:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0].decode()
-    assert proc.returncode == 75, out
-    stopped_at = latest_complete(run_dir).step
-    assert 12 <= stopped_at < 30, out
+    stopped_at = sigterm_worker_at(run_dir, ov)
 
     again = run_worker(run_dir, ov)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
-from helpers.training import run_worker, train_losses, worker_cmd
+from helpers.training import run_worker, sigterm_worker_at, train_losses
 from safetensors.torch import load_file
 
 from runner.checkpoint.layout import latest_complete, list_checkpoints
@@ -40,17 +37,7 @@ def test_sigterm_then_relaunch_resumes_exactly(corpus, tmp_path):
     assert ref.returncode == 0, ref.stderr
 
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov), env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    deadline = time.time() + 180
-    while time.time() < deadline and max(train_losses(run_dir) or [0]) < 12:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0].decode()
-    assert proc.returncode == 75, out
-    stopped_at = latest_complete(run_dir).step
-    assert 12 <= stopped_at < 30, out
+    stopped_at = sigterm_worker_at(run_dir, ov)
 
     again = run_worker(run_dir, ov)  # the same command
     assert again.returncode == 0, again.stderr
