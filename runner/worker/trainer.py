@@ -18,6 +18,7 @@ from runner.config import RunConfig
 from runner.data.loader import WindowStream, check_vocab, eval_batches
 from runner.data.mixture import train_loader
 from runner.files import PidLock
+from runner.procs import create_time
 from runner.protocol import EXIT_OK, WorkerPhase
 from runner.schedule import lr_at
 
@@ -78,6 +79,8 @@ class Trainer:
         self.loader: WindowStream | None = None
         self.resumed_from: int | None = None
         self._ownership: PidLock | None = None  # worker.lock, held by writer ranks
+        # Wall-clock marks of this process's way to its first step: the `startup_times` record.
+        self.startup_times: dict[str, float | None] = {}
 
     # ---- counters ----
 
@@ -111,6 +114,9 @@ class Trainer:
 
     def setup(self) -> None:
         cfg, t = self.cfg, self.cfg.train
+        marks = self.startup_times
+        marks["process_start"] = create_time(os.getpid())
+        marks["setup_start"] = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.writer:
             self._ownership = claim_run_dir(self.run_dir)
@@ -128,6 +134,7 @@ class Trainer:
         self.model.activation_checkpointing = t.activation_checkpointing
         self.n_params = self.model.num_params()
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
+        marks["model_built"] = time.time()
         self.loader = train_loader(
             cfg.data.train_path,
             cfg.data.sources,
@@ -155,7 +162,9 @@ class Trainer:
         resumer = Resume(
             self.run_dir, self.resume, self.force, self.dist, self.checkpointer, self.telemetry
         )
+        marks["resume_start"] = time.time()
         self.resumed_from = self.checkpointer.resumed_from = resumer.run()
+        marks["resume_end"] = time.time()
         self.lr_scale *= self.lr_scale_arg
         self.ddp_model = self.model
         if self.dist.enabled:
@@ -169,6 +178,7 @@ class Trainer:
             self.step_model = torch.compile(self.ddp_model, mode=mode)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
+        marks["setup_end"] = time.time()
 
     # ---- the loop ----
 
@@ -309,6 +319,8 @@ class Trainer:
                 telemetry.heartbeat()
                 continue
             bad_streak = []
+            if "first_step_end" not in self.startup_times:
+                self._record_startup()
             window_steps += 1
             telemetry.last.update(out)
             if self.step % cfg.log.interval_steps == 0 or self.step == t.total_steps:
@@ -337,6 +349,20 @@ class Trainer:
             telemetry.heartbeat()
         saves.finish_saves()  # the final checkpoint is complete on disk before "finished"
         return EXIT_OK
+
+    def _record_startup(self) -> None:
+        """Once per process, at its first completed optimizer step: a `startup_times` record
+        of when the process started, began setup, had built the model, optimizer and loader,
+        started and finished resuming (checkpoint choice, verification and load), ended setup
+        and completed that step (compilation and autotuning included), all Unix seconds."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's kernels, optimizer included, ran
+        self.startup_times["first_step_end"] = time.time()
+        if self.dist.writer:
+            self.telemetry.record(
+                {"kind": "startup_times", "step": self.step, "pid": os.getpid(),
+                 "resumed_from": self.resumed_from, "time": time.time(), **self.startup_times}
+            )  # fmt: skip
 
     def _stop_agreed(self) -> bool:
         """Every rank stops at the same step boundary: a signal seen by any rank stops all."""

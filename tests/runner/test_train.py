@@ -237,3 +237,22 @@ def test_heartbeat_and_metrics_records(corpus, tmp_path):
     rec = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"][-1]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time"):
         assert key in rec
+
+
+def test_each_worker_process_records_its_way_to_the_first_step(corpus, tmp_path):
+    """One `startup_times` record per process, at its first completed step, with the marks in
+    the order they happen: what bench/restart_breakdown.py splits a restart into."""
+    run_dir = tmp_path / "run"
+    ov = tiny_run_overrides(corpus, **{"train.total_steps": 3})
+    assert run_worker(run_dir, ov).returncode == 0
+    again = run_worker(run_dir, tiny_run_overrides(corpus, **{"train.total_steps": 5}), "--force")
+    assert again.returncode == 0, again.stderr
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "startup_times"]
+    assert [(r["step"], r["resumed_from"]) for r in records] == [(1, None), (4, 3)]
+    order = ("process_start", "setup_start", "model_built", "resume_start", "resume_end",
+             "setup_end", "first_step_end")  # fmt: skip
+    for r in records:
+        marks = [r[k] for k in order]
+        assert marks == sorted(marks), r
+        assert r["setup_start"] - r["process_start"] < 120  # a start time, not a stale one
+    assert records[0]["pid"] != records[1]["pid"]
