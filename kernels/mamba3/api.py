@@ -85,7 +85,7 @@ def _shape(x: Tensor) -> str:
 
 
 def validate(
-    q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state
+    q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state, reset=None
 ) -> tuple[int, int, int, int, int, int, int]:
     """Check every shape, dtype and the chunk size up front. Returns (b, t, g, h, p, n, s)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -132,8 +132,19 @@ def validate(
                 f"initial_state {name} must be {shape}, got "
                 f"{_shape(x) if isinstance(x, Tensor) else type(x).__name__}",
             )
+    if reset is not None:
+        _check(
+            isinstance(reset, Tensor) and tuple(reset.shape) == (b, t),
+            f"reset must be a (b, t)=({b}, {t}) bool tensor (True where a document starts), got "
+            f"{_shape(reset) if isinstance(reset, Tensor) else type(reset).__name__}",
+        )
+        _check(
+            reset.dtype == torch.bool,
+            f"reset must be a bool tensor, got {reset.dtype} (fix: pass a bool mask, e.g. "
+            "reset.bool())",
+        )
     devices = {x.device for x in (q, k, v, adt, dt, trap, q_bias, k_bias, angles)}
-    devices |= {x.device for x in (d, z) if x is not None}
+    devices |= {x.device for x in (d, z, reset) if x is not None}
     _check(len(devices) == 1, f"all inputs must be on one device, got {sorted(map(str, devices))}")
     return b, t, g, h, p, n, s
 
@@ -165,6 +176,7 @@ def mamba3_siso(
     chunk_size: int = 64,
     initial_state: State | None = None,
     return_final_state: bool = False,
+    reset: Tensor | None = None,
     backend: Backend = "auto",
 ) -> Tensor | tuple[Tensor, State]:
     """Mamba-3 SISO scan (exponential-trapezoidal, complex-valued via data-dependent RoPE).
@@ -177,16 +189,22 @@ def mamba3_siso(
         angles: (b, t, h, s) float32, pre-tanh θ̃; 2s ≤ n.
         d: (h,) skip weight, optional.
         initial_state: (angle_state (b,h,s), ssm_state (b,h,p,n), k_state (b,h,n), v_state (b,h,p)).
+        reset: (b, t) bool, optional. True at a token before which the state is zero (a document
+            start in a packed window): neither the state nor the previous token's pending
+            trapezoid half-term crosses it; a reset on token 0 discards ``initial_state``'s
+            ssm state and pending term. The angle Φ runs on across it (outputs and gradients
+            depend on angle differences inside a document only).
         backend: "pytorch" (chunked reference), "triton" (CUDA; raises BackendUnavailableError
             where it cannot run and ValueError beyond its tile caps), or "auto" (triton on CUDA
             when the shapes fit its caps, else pytorch; the choice is logged once).
 
     Returns ``y`` (b, t, h, p) in v's dtype; with ``return_final_state`` also the final state
-    (same 4-tuple, in the compute dtype), so scanning [:t1] then [t1:] with the carried state
-    equals scanning the whole. Computes in float64 for float64 ``v``, else accumulates in fp32.
+    (same 4-tuple, in the compute dtype; after a reset the ssm state is the last document's),
+    so scanning [:t1] then [t1:] with the carried state equals scanning the whole. Computes in
+    float64 for float64 ``v``, else accumulates in fp32.
     """
     _, _, _, h, _, n, _ = validate(
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state, reset
     )
     chosen = resolve_backend(backend, v.device)
     if chosen == "triton":
@@ -196,17 +214,19 @@ def mamba3_siso(
         if reason is None:
             from .triton_siso import mamba3_siso_triton
 
+            # reset only when given: a scan without resets calls the kernel exactly as before.
+            extra = {} if reset is None else {"reset": reset}
             return mamba3_siso_triton(
                 q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
                 chunk_size=chunk_size, initial_state=initial_state,
-                return_final_state=return_final_state,
+                return_final_state=return_final_state, **extra,
             )  # fmt: skip
         key = f"{v.device.type}:pytorch:{reason}"
         if key not in _auto_logged:
             _auto_logged.add(key)
             log.info("mamba3 scan backend auto -> pytorch for these inputs (%s)", reason)
     args, state = _prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, initial_state, h)
-    y, final = siso_chunked(*args, state, chunk_size)
+    y, final = siso_chunked(*args, state, chunk_size, reset)
     y = y.to(v.dtype)
     return (y, final) if return_final_state else y
 
@@ -214,13 +234,14 @@ def mamba3_siso(
 def mamba3_siso_recurrent(
     q, k, v, adt, dt, trap, q_bias, k_bias, angles, d=None, z=None, *,
     initial_state: State | None = None, return_final_state: bool = False,
+    reset: Tensor | None = None,
 ):  # fmt: skip
     """The token-by-token ground truth, same contract as :func:`mamba3_siso` (no chunking)."""
     _, _, _, h, _, _, _ = validate(
-        q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, 1, initial_state
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, 1, initial_state, reset
     )
     args, state = _prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, initial_state, h)
-    y, final = siso_recurrent(*args, state)
+    y, final = siso_recurrent(*args, state, reset)
     y = y.to(v.dtype)
     return (y, final) if return_final_state else y
 

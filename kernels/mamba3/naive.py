@@ -6,6 +6,11 @@ README.md is written; :func:`siso_recurrent` loops it over a sequence. Generatio
 
 Inputs are already in the compute dtype (float32 or float64) and already expanded from
 ``g`` groups to ``h`` heads; :mod:`kernels.mamba3.api` does the validation and casting.
+
+A ``reset`` token (a document start in a packed window) sees a zero state: neither the state
+before it nor the previous token's pending trapezoid half-term enters. The cumulative angle Φ
+goes on accumulating across it: scores depend on Φ_i − Φ_j inside a document only, so a
+document's outputs and gradients do not depend on the angle it starts from.
 """
 
 from __future__ import annotations
@@ -58,9 +63,14 @@ def siso_step(
     d: Tensor | None,  # (h,)
     z: Tensor | None,  # (b, h, p)
     state: State,
+    reset: Tensor | None = None,  # (b,) bool: the state before this token is zero
 ) -> tuple[Tensor, State]:
     """Advance the scan by one token. Returns ``y_t`` (b, h, p) and the new state."""
     phi_prev, h_prev, k_prev, v_prev = state
+    if reset is not None:
+        # Zeroing x_{t-1} drops the pending half-term (1-λ_t)Δ_t·α_t·x_{t-1}k̄_{t-1}ᵀ with h.
+        h_prev = torch.where(reset[:, None, None, None], 0.0, h_prev)
+        v_prev = torch.where(reset[:, None, None], 0.0, v_prev)
     # Φ_t = (Φ_{t-1} + Δ_t·π·tanh(θ̃_t)) mod 2π — the cumulative (data-dependent) RoPE angle.
     phi = torch.remainder(phi_prev + dt[..., None] * math.pi * torch.tanh(angles), TWO_PI)
     k_bar = rotate_pairs(k + k_bias, phi)
@@ -96,6 +106,7 @@ def siso_recurrent(
     d: Tensor | None,
     z: Tensor | None,  # (b, t, h, p)
     initial_state: State | None,
+    reset: Tensor | None = None,  # (b, t) bool
 ) -> tuple[Tensor, State]:
     """Scan a whole sequence token by token. Returns y (b, t, h, p) and the final state."""
     b, t, h, n = k.shape
@@ -108,6 +119,7 @@ def siso_recurrent(
         y, state = siso_step(
             q[:, i], k[:, i], v[:, i], adt[..., i], dt[..., i], trap[..., i],
             q_bias, k_bias, angles[:, i], d, None if z is None else z[:, i], state,
+            None if reset is None else reset[:, i],
         )  # fmt: skip
         ys.append(y)
     return torch.stack(ys, dim=1), state

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.scan_inputs import slice_time
+from helpers.scan_inputs import make_inputs, rel, slice_time
 
 from kernels.mamba3 import (
     BackendUnavailableError,
@@ -19,27 +19,6 @@ from kernels.mamba3 import (
 )
 
 F64 = torch.float64
-
-
-def make_inputs(b=2, t=37, h=3, p=4, n=8, s=2, g=1, with_d=True, with_z=True, dtype=F64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def r(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen, dtype=dt)
-
-    dt = F.softplus(r(b, h, t, dt=F64) - 1.0)
-    A = torch.clamp(-F.softplus(r(b, h, t, dt=F64)), max=-1e-4)
-    return dict(
-        q=r(b, t, g, n), k=r(b, t, g, n), v=r(b, t, h, p),
-        adt=(A * dt).to(dtype if dtype == F64 else torch.float32),
-        dt=dt.to(dtype if dtype == F64 else torch.float32),
-        trap=r(b, h, t, dt=F64).to(dtype if dtype == F64 else torch.float32),
-        q_bias=r(h, n, dt=F64).to(dtype if dtype == F64 else torch.float32),
-        k_bias=r(h, n, dt=F64).to(dtype if dtype == F64 else torch.float32),
-        angles=(2 * r(b, t, h, s, dt=F64)).to(dtype if dtype == F64 else torch.float32),
-        d=r(h) if with_d else None,
-        z=r(b, t, h, p) if with_z else None,
-    )  # fmt: skip
 
 
 def design_oracle(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d=None, z=None):
@@ -94,10 +73,6 @@ def design_oracle(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d=None, z=None
                     out = out * F.silu(z[bi, ti, hi])
                 y[bi, ti, hi] = out
     return y
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 CASES = [
