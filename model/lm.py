@@ -38,8 +38,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_intermediate)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.mixer(self.mixer_norm(x))
+    def forward(self, x: Tensor, reset: Tensor | None = None) -> Tensor:
+        x = x + self.mixer(self.mixer_norm(x), reset=reset)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_with_state(self, x: Tensor, state: State | None):
@@ -97,19 +97,37 @@ class Mamba3LM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden_states(self, idx: Tensor) -> Tensor:
+    def hidden_states(self, idx: Tensor, reset: Tensor | None = None) -> Tensor:
         x = self.embedding(idx)
         for block in self.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, reset, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, reset)
         return self.norm_f(x)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        reset: Tensor | None = None,
+        eos_id: int | None = None,
+    ) -> Tensor:
         """``idx`` (b, t) token ids. With ``targets`` (b, t) returns the mean cross-entropy over
-        targets ≠ -100 (never materialising fp32 logits for all tokens); else logits (b, t, V)."""
-        h = self.hidden_states(idx)
+        targets ≠ -100 (never materialising fp32 logits for all tokens); else logits (b, t, V).
+
+        Packed windows: ``reset`` (b, t) bool zeroes every mixer's scan state before each True
+        token, so no document sees the one before it; or ``eos_id`` builds it from ``idx``
+        (:func:`document_starts`: a reset on every token after an ``eos_id``). Not both."""
+        if eos_id is not None:
+            if reset is not None:
+                raise ValueError(
+                    "pass reset or eos_id, not both (eos_id builds reset from idx: "
+                    "document_starts(idx, eos_id))"
+                )
+            reset = document_starts(idx, eos_id)
+        h = self.hidden_states(idx, reset)
         if targets is not None:
             return linear_cross_entropy(h, self.head_weight, targets)
         return F.linear(h, self.head_weight.to(h.dtype))
@@ -180,6 +198,14 @@ class Mamba3LM(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def document_starts(idx: Tensor, eos_id: int) -> Tensor:
+    """The scan's reset mask (b, t) for packed token ids (b, t): True on every token after an
+    ``eos_id`` (a document's first token), False on token 0 (the window's state starts at zero)."""
+    reset = torch.zeros_like(idx, dtype=torch.bool)
+    reset[:, 1:] = idx[:, :-1] == eos_id
+    return reset
+
+
 def sample(
     logits: Tensor,
     temperature: float,
@@ -228,4 +254,4 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-__all__ = ["IGNORE_INDEX", "Mamba3LM", "param_groups", "sample"]
+__all__ = ["IGNORE_INDEX", "Mamba3LM", "document_starts", "param_groups", "sample"]

@@ -94,6 +94,7 @@ class Mamba3Mixer(nn.Module):
         u: Tensor,  # (b, t, d_model)
         initial_state: State | None = None,
         return_final_state: bool = False,
+        reset: Tensor | None = None,  # (b, t) bool: the scan state is zero before these tokens
     ):
         b, t, _ = u.shape
         p = self._project(u)
@@ -104,6 +105,7 @@ class Mamba3Mixer(nn.Module):
             chunk_size=self.cfg.chunk_size,
             initial_state=initial_state,
             return_final_state=return_final_state,
+            reset=reset,
             backend=self.cfg.scan_backend,
         )  # fmt: skip
         y, state = out if return_final_state else (out, None)

@@ -1,4 +1,5 @@
-"""Mamba3LM: presets, parameter count, decode == forward, the loss, parameter groups."""
+"""Mamba3LM: presets, parameter count, decode == forward, packed documents, the loss, parameter
+groups."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 
 from model import PRESETS, Mamba3LM, ModelConfig
-from model.lm import param_groups, sample
+from model.lm import document_starts, param_groups, sample
 from model.loss import linear_cross_entropy
 
 F64 = torch.float64
@@ -72,6 +73,40 @@ def test_generate_uses_recurrent_state_and_is_greedy_consistent():
     # greedy decode must equal argmax of a full forward re-run at every position
     for i in range(4, 10):
         assert torch.equal(model(out[:, :i])[:, -1].argmax(-1), out[:, i])
+
+
+def test_reset_built_from_eos_equals_passing_it():
+    torch.manual_seed(0)
+    cfg = tiny()
+    model = Mamba3LM(cfg).to(F64)
+    eos = cfg.vocab_size - 1
+    idx = torch.randint(0, eos, (2, 21))
+    idx[0, [0, 6, 20]] = eos  # on token 0 and on the last token too
+    idx[1, [7, 8]] = eos  # a document of one EOS token
+    want = torch.zeros(2, 21, dtype=torch.bool)
+    want[0, [1, 7]] = want[1, [8, 9]] = True
+    assert torch.equal(document_starts(idx, eos), want)
+    torch.testing.assert_close(model(idx, eos_id=eos), model(idx, reset=want), rtol=0, atol=0)
+    # Through activation checkpointing as well.
+    loss = model(idx, idx, eos_id=eos)
+    model.activation_checkpointing = True
+    torch.testing.assert_close(model(idx, idx, eos_id=eos), loss, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pass reset or eos_id, not both"):
+        model(idx, reset=want, eos_id=eos)
+
+
+@pytest.mark.parametrize("eos_at", [8, 11], ids=["doc2-at-chunk-start", "doc2-inside-chunk"])
+def test_with_resets_a_packed_document_gives_its_logits_alone(eos_at):
+    torch.manual_seed(0)
+    cfg = tiny()  # chunk 8
+    model = Mamba3LM(cfg).to(F64).eval()
+    eos = cfg.vocab_size - 1
+    idx = torch.randint(0, eos, (2, 24))
+    idx[:, eos_at - 1] = eos
+    second = idx[:, eos_at:]
+    packed = model(idx, eos_id=eos)[:, eos_at:]
+    torch.testing.assert_close(packed, model(second), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(model(idx)[:, eos_at:], packed, atol=1e-6)  # it leaked before
 
 
 def test_sampling_filters():
