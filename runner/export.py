@@ -22,7 +22,7 @@ from model import Mamba3LM
 from runner import __version__
 from runner.checkpoint.io import load_checkpoint
 from runner.checkpoint.layout import CheckpointError, CheckpointInfo, find_step, latest_complete
-from runner.config import ConfigError, config_hash, load_config
+from runner.config import ConfigError, config_hash, load_frozen_config
 from runner.data.tokenizer import Tokenizer, load_tokenizer
 from runner.files import apply_umask
 from runner.protocol import CONFIG_FILE
@@ -53,7 +53,7 @@ def load_trained(run_dir: Path, step: int | None = None) -> Trained:
     """The run's model at `step` (default: its newest complete checkpoint) and its tokenizer."""
     run_dir = Path(run_dir)
     try:
-        cfg = load_config(run_dir / CONFIG_FILE)
+        cfg = load_frozen_config(run_dir / CONFIG_FILE)
         info = find_step(run_dir, step) if step is not None else latest_complete(run_dir)
     except (ConfigError, CheckpointError) as e:
         raise ExportError(str(e)) from None

@@ -11,12 +11,22 @@ A run is described by a YAML file with one mapping per section::
 `load_config(path, overrides)` reads, applies ``section.key=value`` overrides and validates;
 every problem comes back as one `ConfigError` whose lines name the key, the bad value and the
 fix. `RunConfig.to_yaml()` writes the fully resolved config (every field, the preset name kept)
-and loading that text gives an equal config; `config_hash` fingerprints it.
+and loading that text gives an equal config; `config_hash` fingerprints it. A run dir's frozen
+config.yaml is read with `load_frozen_config`: a key added after the run was frozen
+(`LEGACY_VALUES`) reads at the value that keeps the run's behaviour.
 
 This module must stay torch-free: the supervisor and the light CLI commands import it.
 """
 
-from runner.config.loading import apply_overrides, config_hash, load_config, parse_config
+from runner.config.loading import (
+    LEGACY_VALUES,
+    apply_overrides,
+    config_hash,
+    keep_legacy_values,
+    load_config,
+    load_frozen_config,
+    parse_config,
+)
 from runner.config.schema import (
     CheckpointConfig,
     ConfigError,
@@ -31,6 +41,7 @@ from runner.config.schema import (
 )
 
 __all__ = [
+    "LEGACY_VALUES",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -43,6 +54,8 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "config_hash",
+    "keep_legacy_values",
     "load_config",
+    "load_frozen_config",
     "parse_config",
 ]

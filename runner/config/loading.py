@@ -28,6 +28,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     override, or any invalid value, with one line per problem.
     """
     path = Path(path)
+    return parse_config(_read_text(path), overrides, source=str(path))
+
+
+def _read_text(path: Path) -> str:
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "not found"
         shown = str(path) if path.is_absolute() else f"{path} (resolved: {path.absolute()})"
@@ -36,16 +40,19 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
             "e.g. configs/demo_cpu.yaml)"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
-    return parse_config(text, overrides, source=str(path))
 
 
 def parse_config(
     text: str, overrides: Sequence[str] = (), *, source: str = "<string>"
 ) -> RunConfig:
     """Like `load_config`, from YAML text; `source` names it in error messages."""
+    return _validate(_parse_yaml(text, source), overrides, source)
+
+
+def _parse_yaml(text: str, source: str) -> dict:
     try:
         raw = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as e:
@@ -57,7 +64,7 @@ def parse_config(
             f"{source} must be a YAML mapping of sections (model, train, data, ...), "
             f"got a {type(raw).__name__}"
         )
-    return _validate(raw, overrides, source)
+    return raw
 
 
 def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
@@ -66,11 +73,54 @@ def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """sha256 (hex) of the canonical resolved dump; equal configs hash equal in any process."""
-    canonical = json.dumps(
-        cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    """sha256 (hex) of the canonical resolved dump; equal configs hash equal in any process.
+    A LEGACY_VALUES key at its legacy value is left out, so a run frozen before the key existed
+    keeps the hash its checkpoints and smoke record hold."""
+    dump = cfg.model_dump(mode="json")
+    for key, value in LEGACY_VALUES.items():
+        section, name = key.split(".")
+        if dump[section][name] is value:
+            del dump[section][name]
+    canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys added after runs were frozen
+
+# Keys the schema gained after runs were made, each with the value that keeps such a run's
+# behaviour (a new run's default may differ: data.reset_at_eos is on for new runs). A run dir's
+# config.yaml is the resolved dump of every key, so one that lacks a key here was frozen before
+# the key existed: `load_frozen_config` reads it at this value, `keep_legacy_values` keeps it
+# on a relaunch that leaves the key unset, and `config_hash` leaves the key out at this value.
+LEGACY_VALUES: dict[str, bool] = {"data.reset_at_eos": False}
+
+
+def load_frozen_config(path: str | Path) -> RunConfig:
+    """A run dir's frozen config.yaml: like `load_config`, and each LEGACY_VALUES key the file
+    lacks (it was frozen before the key existed) reads at its legacy value."""
+    path = Path(path)
+    raw = _parse_yaml(_read_text(path), str(path))
+    for key, value in LEGACY_VALUES.items():
+        section, name = key.split(".")
+        part = raw.get(section)
+        if isinstance(part, Mapping) and name not in part:
+            raw = {**raw, section: {**part, name: value}}
+    return _validate(raw, (), str(path))
+
+
+def keep_legacy_values(cfg: RunConfig, frozen: RunConfig) -> RunConfig:
+    """`cfg`, a relaunch's config, with each LEGACY_VALUES key that it leaves unset and that
+    the run's `frozen` config holds at the legacy value kept there: a run that trained under the
+    old behaviour goes on so, and is not a changed config, under a recipe that leaves the key to
+    its new default. Setting the key in the recipe or with --set is a change, as for any key."""
+    kept = []
+    for key, value in LEGACY_VALUES.items():
+        section, name = key.split(".")
+        unset = name not in getattr(cfg, section).model_fields_set
+        if unset and getattr(getattr(frozen, section), name) is value:
+            kept.append(f"{key}={json.dumps(value)}")
+    return apply_overrides(cfg, kept) if kept else cfg
 
 
 def _validate(raw: dict, overrides: Sequence[str], source: str) -> RunConfig:

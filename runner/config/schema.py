@@ -204,6 +204,16 @@ class DataConfig(_Section):
     )
     seq_len: int = Field(ge=2, description="Tokens per training sequence (context length).")
     prefetch: int = Field(2, ge=0, description="Batches prepared ahead of the training step.")
+    reset_at_eos: bool = Field(
+        True,
+        description=(
+            "Zero the scan state at each document start of a packed window (the token after an "
+            "EOS), in training and eval, so no document is conditioned on the one before it. "
+            "A run frozen before this key existed reads it as false and trains on without "
+            "resets, also when relaunched with a recipe that leaves the key unset; turning it on "
+            "there is a config change (--force)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_kind_of_source(self) -> DataConfig:

@@ -15,7 +15,13 @@ from typing import Any
 import yaml
 
 from runner.checkpoint.layout import list_checkpoints
-from runner.config import ConfigError, config_hash, load_config
+from runner.config import (
+    ConfigError,
+    config_hash,
+    keep_legacy_values,
+    load_config,
+    load_frozen_config,
+)
 from runner.files import (
     PidLock,
     append_jsonl,
@@ -147,7 +153,10 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     frozen = opts.run_dir / CONFIG_FILE
     if frozen.exists():
         try:
-            old = load_config(frozen)
+            old = load_frozen_config(frozen)
+            # A key the run was frozen without keeps the run's behaviour (config.LEGACY_VALUES).
+            cfg = keep_legacy_values(cfg, old)
+            new_hash = config_hash(cfg)
         except ConfigError as e:
             if not opts.force:
                 raise LaunchError(

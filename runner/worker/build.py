@@ -11,7 +11,7 @@ import torch
 from kernels.mamba3 import BackendUnavailableError, resolve_backend
 from model import Mamba3LM
 from model.lm import param_groups
-from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_config
+from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
 from runner.files import atomic_write_text
 from runner.protocol import CONFIG_FILE
 
@@ -23,7 +23,7 @@ def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
     must bring the same config (by hash) or --force, which replaces it."""
     path = run_dir / CONFIG_FILE
     if path.exists():
-        if config_hash(load_config(path)) == config_hash(cfg):
+        if config_hash(load_frozen_config(path)) == config_hash(cfg):
             return
         if not force:
             raise ConfigError(

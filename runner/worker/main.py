@@ -17,11 +17,12 @@ import traceback
 from pathlib import Path
 
 from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError, load_config
+from runner.config import ConfigError, keep_legacy_values, load_config, load_frozen_config
 from runner.data.manifest import DataError
 from runner.files import describe_os_error
 from runner.protocol import (
     CHECKPOINTS_DIR,
+    CONFIG_FILE,
     EXIT_CONFIG,
     EXIT_NAN,
     EXIT_SAVE_FAILED,
@@ -50,6 +51,9 @@ def run(
     trainer = None
     try:
         cfg = load_config(config, overrides)
+        frozen = Path(run_dir) / CONFIG_FILE
+        if frozen.is_file():  # every rank: a key the run was frozen without keeps its value
+            cfg = keep_legacy_values(cfg, load_frozen_config(frozen))
         if not (lr_scale > 0):
             raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
         trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale)

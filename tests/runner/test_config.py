@@ -1,7 +1,10 @@
-"""The run config schema: recipes, validation messages, overrides, presets, dump and hash."""
+"""The run config schema: recipes, validation messages, overrides, presets, dump and hash, and
+keys added after runs were frozen."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +18,14 @@ from runner.config import (
     RunConfig,
     apply_overrides,
     config_hash,
+    keep_legacy_values,
     load_config,
+    load_frozen_config,
     parse_config,
 )
+from runner.files import read_jsonl
+from runner.protocol import EVENTS_FILE
+from runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -122,7 +130,7 @@ def test_supervisor_defaults():
     assert (t.precision, t.device, t.compile, t.compile_mode) == ("auto", "auto", False, None)
     assert t.activation_checkpointing is False
     assert (t.nan_max_consecutive, t.nan_lr_factor, t.nan_max_rollbacks) == (3, 0.5, 3)
-    assert (cfg.data.val_path, cfg.data.prefetch) == (None, 2)
+    assert (cfg.data.val_path, cfg.data.prefetch, cfg.data.reset_at_eos) == (None, 2, True)
     assert (cfg.checkpoint.keep_last, cfg.checkpoint.save_on_exit) == (3, True)
     assert cfg.eval.interval_steps == 0
     assert cfg.log.heartbeat_interval_s == 2.0
@@ -395,6 +403,65 @@ def test_config_hash_is_the_same_in_another_process():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == config_hash(load_config(A100))
+
+
+# --- keys added after runs were frozen ------------------------------------------------------
+
+
+def test_reset_at_eos_is_on_for_new_runs_and_in_the_hash():
+    cfg = parse_config(MINIMAL)
+    assert cfg.data.reset_at_eos is True
+    assert all(load_config(path).data.reset_at_eos for path in RECIPES)
+    assert config_hash(apply_overrides(cfg, ["data.reset_at_eos=false"])) != config_hash(cfg)
+
+
+def _frozen_before_reset_at_eos(run_dir: Path) -> str:
+    """Turn RUN_DIR/config.yaml into one frozen before data.reset_at_eos existed; its text."""
+    path = run_dir / "config.yaml"
+    lines = path.read_text().splitlines(keepends=True)
+    old = "".join(line for line in lines if "reset_at_eos" not in line)
+    assert old != "".join(lines)
+    path.write_text(old)
+    return old
+
+
+def test_a_run_frozen_before_reset_at_eos_reads_it_off_with_its_old_hash(tmp_path):
+    (tmp_path / "config.yaml").write_text(load_config(DEMO).to_yaml())
+    _frozen_before_reset_at_eos(tmp_path)
+    old = load_frozen_config(tmp_path / "config.yaml")
+    assert old.data.reset_at_eos is False
+    assert load_config(tmp_path / "config.yaml").data.reset_at_eos is True  # read as a recipe
+    # Its hash is the one computed before the key existed: over the dump without it.
+    dump = old.model_dump(mode="json")
+    del dump["data"]["reset_at_eos"]
+    canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert config_hash(old) == hashlib.sha256(canonical.encode()).hexdigest()
+    # A recipe that leaves the key unset keeps it off; one that sets it is a change.
+    assert keep_legacy_values(load_config(DEMO), old).data.reset_at_eos is False
+    on = load_config(DEMO, ["data.reset_at_eos=true"])
+    assert keep_legacy_values(on, old).data.reset_at_eos is True
+
+
+def test_relaunching_a_run_frozen_before_reset_at_eos_is_no_config_change(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    opts = LaunchOptions(config=DEMO, run_dir=run_dir)
+    freeze_config(opts)
+    _frozen_before_reset_at_eos(run_dir)
+    old_hash = config_hash(load_frozen_config(run_dir / "config.yaml"))
+    for _ in range(2):  # the first relaunch writes the key (false); the second reads it
+        cfg, chash = freeze_config(opts)
+        assert cfg.data.reset_at_eos is False and chash == old_hash
+        assert "reset_at_eos: false" in (run_dir / "config.yaml").read_text()
+    assert not (run_dir / EVENTS_FILE).exists() or not [
+        e for e in read_jsonl(run_dir / EVENTS_FILE) if e["event"] == "config_replaced"
+    ]
+    # Turning resets on for that run is a config change like any other.
+    on = LaunchOptions(config=DEMO, run_dir=run_dir, overrides=["data.reset_at_eos=true"])
+    with pytest.raises(LaunchError, match=r"data\.reset_at_eos: False -> True"):
+        freeze_config(on)
+    on.force = True
+    assert freeze_config(on)[0].data.reset_at_eos is True
 
 
 # --- helpers --------------------------------------------------------------------------------
