@@ -78,6 +78,7 @@ class _Smoke:
         self.amp = precision_dtype(cfg, self.device)
         self.model: Mamba3LM | None = None
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.eos_id: int | None = None  # with data.reset_at_eos, as the trainer runs the model
         self.backend: str | None = None
 
     def autocast(self):
@@ -109,6 +110,7 @@ class _Smoke:
                               c.train.micro_batch_size, c.train.seed, prefetch=0)  # fmt: skip
         try:
             self.batch = loader.next_batch()
+            self.eos_id = loader.eos_id if c.data.reset_at_eos else None
         finally:
             loader.close()
         mix = f" from {len(c.data.sources)} sources" if c.data.sources else ""
@@ -127,7 +129,7 @@ class _Smoke:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.autocast():
-            loss = self.model(x, y)
+            loss = self.model(x, y, eos_id=self.eos_id)
         loss.backward()
         grads = [p.grad for p in self.model.parameters()]
         if not math.isfinite(loss.item()):
@@ -158,7 +160,7 @@ class _Smoke:
         hooks = [blk.mixer.register_forward_hook(record) for blk in self.model.layers]
         try:
             with torch.no_grad(), self.autocast():
-                self.model(self.batch[0][:1].to(self.device))
+                self.model(self.batch[0][:1].to(self.device), eos_id=self.eos_id)
         finally:
             for h in hooks:
                 h.remove()
@@ -195,6 +197,10 @@ class _Smoke:
             trap=r(b, h, t), q_bias=r(h, n), k_bias=r(h, n), angles=r(b, t, h, s),
             d=r(h), z=r(b, t, h, p, dt=dtype),
         )  # fmt: skip
+        if self.cfg.data.reset_at_eos:
+            # Document starts inside a chunk and on a chunk boundary, as training gives them.
+            args["reset"] = torch.zeros(b, t, dtype=torch.bool, device=self.device)
+            args["reset"][:, [5, m.chunk_size]] = True
         if backend == "pytorch":
             # The reference is what runs: check it against the token-by-token ground truth.
             from kernels.mamba3 import mamba3_siso_recurrent
@@ -209,9 +215,10 @@ class _Smoke:
             other, label = mamba3_siso(**args, chunk_size=m.chunk_size, backend=backend), "pytorch"
         err = ((other.float() - ref).norm() / ref.norm()).item()
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        label += " reference" + (" with resets" if "reset" in args else "")
         if not err <= tol:
-            raise CheckFailed(f"{backend} vs {label} reference: rel. error {err:.2e} > {tol:g}")
-        return f"{backend} vs {label} reference: rel. error {err:.1e} (≤ {tol:g})"
+            raise CheckFailed(f"{backend} vs {label}: rel. error {err:.2e} > {tol:g}")
+        return f"{backend} vs {label}: rel. error {err:.1e} (≤ {tol:g})"
 
     # 6
     def optimizer_step(self) -> str:
@@ -222,12 +229,12 @@ class _Smoke:
         opt = build_optimizer(model, self.device, self.cfg.train, lr=1e-3)
         x, y = (v.to(self.device) for v in self.batch)
         with self.autocast():
-            before = model(x, y)
+            before = model(x, y, eos_id=self.eos_id)
         before.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad(), self.autocast():
-            after = model(x, y)
+            after = model(x, y, eos_id=self.eos_id)
         if not after.item() < before.item():
             raise CheckFailed(f"loss did not fall: {before.item():.4f} → {after.item():.4f}")
         del model, opt

@@ -148,6 +148,8 @@ class Trainer:
             force=self.force,
         )
         check_vocab(self.loader, cfg.model.vocab_size)
+        # data.reset_at_eos: the scan state restarts after every EOS, in training and eval.
+        self.eos_id = self.loader.eos_id if cfg.data.reset_at_eos else None
         self.val_batches = None
         if cfg.eval.interval_steps and cfg.data.val_path:
             self.val_batches = eval_batches(
@@ -214,7 +216,7 @@ class Trainer:
             # DDP all-reduces gradients only on the last micro-batch of the window.
             sync = i == self.local_accum - 1 or not self.dist.enabled
             with amp, contextlib.nullcontext() if sync else self.ddp_model.no_sync():
-                loss = self.step_model(x, y)
+                loss = self.step_model(x, y, eos_id=self.eos_id)
                 if poison:
                     loss = loss * float("nan")
                 # Divide before backward so the summed gradients are those of the mean loss.
@@ -281,7 +283,7 @@ class Trainer:
             for x, y in self.val_batches:
                 x, y = x.to(self.device), y.to(self.device)
                 with autocast(self.device, self.autocast_dtype):
-                    total += self.model(x, y).item()
+                    total += self.model(x, y, eos_id=self.eos_id).item()
         self.model.train()
         self.set_phase(WorkerPhase.TRAINING)
         loss = total / len(self.val_batches)
