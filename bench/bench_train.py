@@ -1,18 +1,32 @@
 """Throughput of m3run's real training step (the worker's `Trainer.train_step`).
 
     python bench/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
+    PYTHONPATH=.:<dir holding mamba_ssm/> python bench/bench_train.py --micro-batch 16 --anchor
+    python bench/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
 
 For each micro-batch size it builds the worker exactly as `m3run train` does (model, chunked
 linear cross-entropy, AdamW, accumulation, bf16 autocast, torch.compile) from the A100 recipe,
-runs warm-up steps, then times optimizer steps and prints tokens/s, MFU against the bf16 matmul
-peak measured in the same run, peak memory, and (with --profile) a breakdown of GPU time by
-kind of kernel. Data comes from a small corpus prepared on the spot with the recipe's
-sequence length, so the data path is the real one too.
+times the first step (compilation) on its own, runs the other warm-up steps, then times
+optimizer steps and prints tokens/s, MFU against the bf16 matmul peak measured in the same run,
+peak memory, and (with --profile) a breakdown of GPU time by kind of kernel. Data comes from a
+small corpus prepared on the spot with the recipe's sequence length, so the data path is the
+real one too.
+
+--anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
+compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
+module (bench/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
+autotuner runs in its first step, which can take minutes: that step is reported apart.
+
+--dry-run runs the same code on CPU with the tiny demo recipe in fp32 without compilation, and
+the anchor on m3run's own mixer in place of the official one (whose kernels need a GPU); when
+the official module is importable, its parameter count at the run's shapes is checked against
+ours. It checks the script, not speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -23,6 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
+DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 
 
 def matmul_peak_flops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -56,31 +71,51 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def bench_one(micro: int, steps: int, warmup: int, compile_: bool, profile: bool,
-              data_dir: Path, peak: float, backend: str) -> dict:  # fmt: skip
+def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: Path,
+               backend: str, dry_run: bool):  # fmt: skip
+    """The recipe with the benchmark's batch, compile and backend, on the prepared corpus."""
     from runner.config import load_config
-    from runner.worker.trainer import Trainer
 
     overrides = [
         f"train.micro_batch_size={micro}",
-        f"train.grad_accum_steps={max(1, 32 // micro)}",
+        f"train.grad_accum_steps={accum}",
         f"train.compile={'true' if compile_ else 'false'}",
+        "data.sources=null",
         f"data.train_path={data_dir / 'train'}",
         f"data.val_path={data_dir / 'val'}",
         "eval.interval_steps=0",
         f"model.scan_backend={backend}",
     ]
-    cfg = load_config(RECIPE, overrides)
+    if dry_run:
+        overrides += ["train.device=cpu", "train.precision=fp32"]
+    return load_config(recipe, overrides)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_one(cfg, steps: int, warmup: int, profile: bool, peak: float | None) -> dict:
+    from runner.worker.trainer import Trainer
+
+    micro = cfg.train.micro_batch_size
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-mb{micro}-"))
     trainer = Trainer(cfg, run_dir, resume="none", force=True)
     trainer.setup()
     trainer.model.train()
-    torch.cuda.reset_peak_memory_stats(trainer.device)
-    t_compile = time.perf_counter()
-    for _ in range(warmup):
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    t0 = time.perf_counter()
+    trainer.train_step()
+    sync(trainer.device)
+    first_s = time.perf_counter() - t0
+    t_warm = time.perf_counter()
+    for _ in range(warmup - 1):
         trainer.train_step()
-    torch.cuda.synchronize(trainer.device)
-    warm_s = time.perf_counter() - t_compile
+    sync(trainer.device)
+    warm_s = time.perf_counter() - t_warm
     # data wait: time spent inside next_batch across the timed steps
     waited = [0.0]
     orig = trainer.loader.next_batch
@@ -94,26 +129,29 @@ def bench_one(micro: int, steps: int, warmup: int, compile_: bool, profile: bool
     trainer.loader.next_batch = timed_next
     t0 = time.perf_counter()
     for _ in range(steps):
-        trainer.train_step()
-    torch.cuda.synchronize(trainer.device)
+        out = trainer.train_step()
+    sync(trainer.device)
     dt = (time.perf_counter() - t0) / steps
     tokens = trainer.tokens_per_step
     tps = tokens / dt
     result = {
+        "impl": "ours",
         "micro_batch": micro,
         "grad_accum": trainer.local_accum,
         "seq_len": cfg.data.seq_len,
-        "compile": compile_,
+        "compile": cfg.train.compile,
         "scan_backend": trainer.scan_backend,
         "params": trainer.n_params,
         "step_s": dt,
         "tokens_per_s": tps,
-        "mfu": 6 * trainer.n_params * tps / peak,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(trainer.device) / 2**30,
+        "mfu": 6 * trainer.n_params * tps / peak if peak else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(trainer.device) / 2**30 if cuda else None,
+        "first_step_s": first_s,
         "warmup_s": warm_s,
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
+        "last_loss": out.get("loss"),
     }
-    if profile:
+    if profile and cuda:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof
 
@@ -132,52 +170,135 @@ def bench_one(micro: int, steps: int, warmup: int, compile_: bool, profile: bool
         result["gpu_ms_per_step"] = total / 1e3
     trainer.close()
     del trainer
-    torch.cuda.empty_cache()
+    # Compiled graphs and their caches go too: the next model (another micro-batch, the
+    # anchor) compiles from scratch and finds the GPU memory free.
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return result
+
+
+def line(r: dict) -> str:
+    mfu = f"MFU {r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "MFU    -"
+    mem = (
+        f"peak mem {r['peak_mem_gib']:5.1f} GiB" if r["peak_mem_gib"] is not None else "peak mem -"
+    )
+    extra = f" | scan {r['scan_backend']}" if "scan_backend" in r else ""
+    return (
+        f"{r['impl']:8} mb {r['micro_batch']:>2} × accum {r['grad_accum']} × seq {r['seq_len']} | "
+        f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s | {mfu} | {mem} | step {r['step_s'] * 1e3:7.1f} ms"
+        f" | first step {r['first_step_s']:6.1f} s | data wait {r['data_wait_ms_per_step']:.2f} "
+        f"ms/step | compile {r['compile']}{extra}"
+    )
+
+
+def anchor_factory(cfg, dry_run: bool):
+    """layer index -> the anchor's mixer: the official module, or under --dry-run ours (the
+    official kernels need a GPU), after checking the official module's parameter count at
+    these shapes when it is importable."""
+    from anchor_lm import AnchorLM, AnchorUnavailable, official_mixer_factory
+
+    from model.mixer import Mamba3Mixer
+
+    try:
+        official = official_mixer_factory(cfg.model)
+    except AnchorUnavailable as e:
+        if not dry_run:
+            raise SystemExit(f"bench_train.py --anchor: {e}") from None
+        print(f"dry run: official module not checked ({e})")
+        official = None
+    if official is not None:
+        with torch.device("meta"):
+            theirs = AnchorLM(cfg.model, official).num_params()
+            ours = AnchorLM(cfg.model, lambda i: Mamba3Mixer(cfg.model, i)).num_params()
+        if theirs != ours:
+            raise SystemExit(
+                f"bench_train.py --anchor: the official-mixer LM has {theirs:,} parameters "
+                f"against {ours:,} for ours at the same shapes: the constructor mapping in "
+                "bench/anchor_lm.py (official_mixer_kwargs) no longer matches"
+            )
+        print(f"anchor: official Mamba-3 mixer, {theirs:,} parameters (ours: the same)")
+    if dry_run:
+        print("dry run: the anchor trains m3run's own mixer in place of the official one")
+        return lambda i: Mamba3Mixer(cfg.model, i)
+    return official
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--micro-batch", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, nargs="+", default=None, help="default 8 16")
+    ap.add_argument("--accum", type=int, default=None, help="default 32 / micro-batch")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps, the first included")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "pytorch"])
+    ap.add_argument("--anchor", action="store_true", help="also the official-module LM")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train.py needs a CUDA GPU (the 434m step is not a CPU workload)")
+    if a.steps is not None and a.steps < 1:
+        raise SystemExit(f"--steps must be ≥ 1, got {a.steps}")
+    if a.warmup < 1:
+        raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
+    micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
+    steps = a.steps or (2 if a.dry_run else 10)
+    if not a.dry_run and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench_train.py needs a CUDA GPU (the 434m step is not a CPU workload); "
+            "--dry-run checks the script on CPU"
+        )
     from runner.data.prepare import prepare_data
 
-    device = torch.device("cuda")
-    peak = matmul_peak_flops(device)
+    device = torch.device("cpu" if a.dry_run else "cuda")
+    recipe = DRY_RECIPE if a.dry_run else RECIPE
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "data"
-    prepare_data(["stdlib"], data_dir, tokenizer="bpe:8192", max_bytes=6_000_000,
+    vocab, max_bytes = ("bpe:512", 400_000) if a.dry_run else ("bpe:8192", 6_000_000)
+    prepare_data(["stdlib"], data_dir, tokenizer=vocab, max_bytes=max_bytes,
                  val_fraction=0.01, progress=False)  # fmt: skip
-    import triton
+    if a.dry_run:
+        peak = None
+        print(f"dry run on CPU | torch {torch.__version__} | recipe {recipe.name}")
+    else:
+        import triton
 
-    gpu = torch.cuda.get_device_name(device)
-    print(
-        f"GPU {gpu} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
-    )
-    results = []
-    for micro in a.micro_batch:
-        r = bench_one(micro, a.steps, a.warmup, not a.no_compile, a.profile, data_dir, peak,
-                      a.backend)  # fmt: skip
-        results.append(r)
+        peak = matmul_peak_flops(device)
         print(
-            f"mb {micro:>2} × accum {r['grad_accum']} × seq {r['seq_len']} | "
-            f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s | MFU {r['mfu'] * 100:5.1f}% | "
-            f"peak mem {r['peak_mem_gib']:5.1f} GiB | step {r['step_s'] * 1e3:7.1f} ms | "
-            f"data wait {r['data_wait_ms_per_step']:.2f} ms/step | compile {r['compile']} "
-            f"| scan {r['scan_backend']}",
-            flush=True,
+            f"GPU {torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton "
+            f"{triton.__version__} | measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
         )
+    results = []
+    for micro in micro_batches:
+        accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
+        cfg = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run, data_dir,
+                         "pytorch" if a.dry_run else a.backend, a.dry_run)  # fmt: skip
+        # The anchor's import fails before minutes are spent on ours.
+        make_mixer = anchor_factory(cfg, a.dry_run) if a.anchor else None
+        r = bench_one(cfg, steps, a.warmup, a.profile, peak)
+        results.append(r)
+        print(line(r), flush=True)
         if "gpu_time_breakdown" in r:
             print("   GPU time:", json.dumps(r["gpu_time_breakdown"]))
+        if make_mixer is not None:
+            from anchor_lm import bench_anchor
+
+            impl = "stand-in" if a.dry_run else "official"
+            o = bench_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)
+            results.append(o)
+            print(line(o), flush=True)
+            mem = (
+                f", peak memory {r['peak_mem_gib'] / o['peak_mem_gib']:.2f}×"
+                if r["peak_mem_gib"] and o["peak_mem_gib"]
+                else ""
+            )
+            print(
+                f"ours / {impl} at mb {micro}: tokens/s "
+                f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}×{mem}",
+                flush=True,
+            )
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"peak_flops": peak, "results": results}, indent=2))
 
 
