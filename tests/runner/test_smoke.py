@@ -20,6 +20,8 @@ def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
                  "scan parity with the reference", "one optimizer step lowers the loss",
                  "checkpoint save/verify/load"):  # fmt: skip
         assert by_name[name].status == "ok", by_name[name]
+    # data.reset_at_eos is on by default: the parity check covers the resets training uses.
+    assert "recurrent reference with resets" in by_name["scan parity with the reference"].message
     assert len(lines) == len(CHECKS) and lines[0].startswith("  [1/8]")
 
 
