@@ -1,0 +1,370 @@
+"""What bench/restart_breakdown.py and bench/gpu_acceptance.py share: a corpus prepared from
+local text, `m3run launch` in a subprocess as a user runs it, waiting on what the run dir says,
+SIGKILLing the worker, and splitting a start or a restart into its phases from events.jsonl
+(supervisor) and the worker's `startup_times` record in metrics.jsonl.
+
+Torch-free: like the supervisor, these scripts never hold GPU memory themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
+DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
+# What `m3run launch` and the worker import (module names), beyond torch.
+NEEDS = ("pydantic", "yaml", "structlog", "psutil", "typer", "rich", "numpy", "safetensors",
+         "tokenizers", "pyarrow", "zstandard", "fsspec", "pynvml")  # fmt: skip
+
+
+class BenchError(RuntimeError):
+    """The scenario could not go on; the message says where it stopped and where to look."""
+
+
+def check_packages(script: str, extra: tuple[str, ...] = ()) -> None:
+    """Exit with one line naming every missing package, before anything is started."""
+    missing = [m for m in (*NEEDS, *extra) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"{script}: {sys.executable} lacks the Python package(s) {', '.join(missing)} that "
+            "m3run needs (pynvml is nvidia-ml-py, yaml is pyyaml). Fix: install them, or carry "
+            "their wheels and put them on PYTHONPATH"
+        )
+    if importlib.util.find_spec("runner") is None:
+        raise SystemExit(f"{script}: m3run is not importable. Fix: PYTHONPATH={REPO}")
+
+
+def m3run(*args: str) -> list[str]:
+    return [sys.executable, "-m", "runner.cli", *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("M3RUN_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def prepare_corpus(out: Path, tokenizer: str, max_bytes: int, log: Path) -> float:
+    """`m3run prepare-data stdlib` (this Python's standard library sources, no download) into
+    `out`, unless it is already there. Returns the seconds it took (0 when reused)."""
+    if (out / "train" / "manifest.json").exists():
+        return 0.0
+    t0 = time.time()
+    argv = m3run("prepare-data", "stdlib", "--out", str(out), "--tokenizer", tokenizer,
+                 "--max-bytes", str(max_bytes), "--val-fraction", "0.01")  # fmt: skip
+    with open(log, "ab") as f:
+        code = subprocess.call(argv, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+    if code:
+        raise BenchError(f"m3run prepare-data exited {code}; see {log}")
+    return time.time() - t0
+
+
+def run_overrides(corpus: Path, total_steps: int, interval: int, keep_last: int) -> list[str]:
+    """A recipe turned into a short run on the prepared corpus: one record per step."""
+    return [
+        "data.sources=null",
+        f"data.train_path={corpus / 'train'}",
+        f"data.val_path={corpus / 'val'}",
+        f"train.total_steps={total_steps}",
+        f"train.warmup_steps={min(10, total_steps)}",
+        f"checkpoint.interval_steps={interval}",
+        f"checkpoint.keep_last={keep_last}",
+        "eval.interval_steps=0",
+        "log.interval_steps=1",
+        "log.heartbeat_interval_s=0.5",
+    ]
+
+
+def compile_caches(root: Path) -> dict[str, str]:
+    """TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR under `root` (created)."""
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+    }
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def empty_caches(env: dict[str, str]) -> None:
+    for path in env.values():
+        shutil.rmtree(path, ignore_errors=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+class Launch:
+    """`m3run launch CONFIG --run-dir RUN_DIR --set …` in the foreground of a subprocess (its
+    console in `log`), as a user types it."""
+
+    def __init__(self, config: Path, run_dir: Path, sets: list[str], env: dict[str, str],
+                 log: Path):  # fmt: skip
+        self.run_dir = run_dir
+        self.log = log
+        argv = m3run("launch", str(config), "--run-dir", str(run_dir))
+        for kv in sets:
+            argv += ["--set", kv]
+        self.argv = argv
+        self._out = open(log, "ab")  # noqa: SIM115 (closed in wait/kill)
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            if self.proc.poll() is not None:
+                self._out.close()
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def kill(self) -> None:
+        """Every process of the run, now: the worker (by its lock-checked pid), the supervisor."""
+        kill_worker(self.run_dir, quiet=True)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        kill_worker(self.run_dir, quiet=True)  # one it may have started meanwhile
+        self._out.close()
+
+
+def wait_for(what: str, probe: Callable[[], Any], launch: Launch, deadline: float,
+             poll_s: float = 0.2, on_poll: Callable[[], None] | None = None) -> Any:  # fmt: skip
+    """Poll `probe` until it returns something other than None; BenchError if the launch ended
+    first or the deadline (time.time()) passed."""
+    while True:
+        if on_poll is not None:
+            on_poll()
+        value = probe()
+        if value is not None:
+            return value
+        code = launch.exit_code()
+        if code is not None:
+            value = probe()  # what it wrote on its way out
+            if value is not None:
+                return value
+            raise BenchError(
+                f"`m3run launch` exited {code} while waiting for {what}; its last lines:\n"
+                + launch.tail()
+            )
+        if time.time() > deadline:
+            raise BenchError(
+                f"out of time waiting for {what}; the launch's last lines:\n" + launch.tail()
+            )
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------- the run dir
+
+
+def events(run_dir: Path) -> list[dict]:
+    from runner.files import read_jsonl
+    from runner.protocol import EVENTS_FILE
+
+    return read_jsonl(run_dir / EVENTS_FILE)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    from runner.files import read_jsonl
+    from runner.protocol import METRICS_FILE
+
+    return read_jsonl(run_dir / METRICS_FILE)
+
+
+def first_event(run_dir: Path, name: str, after: float, **match: Any) -> dict | None:
+    for e in events(run_dir):
+        fits = all(e.get(k) == v for k, v in match.items())
+        if e.get("event") == name and e.get("time", 0) >= after and fits:
+            return e
+    return None
+
+
+def startup_record(run_dir: Path, pid: int) -> dict | None:
+    for r in metrics(run_dir):
+        if r.get("kind") == "startup_times" and r.get("pid") == pid:
+            return r
+    return None
+
+
+def complete_steps(run_dir: Path, verify: bool = False) -> list[int]:
+    from runner.checkpoint.layout import list_checkpoints
+
+    return [c.step for c in list_checkpoints(run_dir, verify=verify) if c.complete]
+
+
+def tokens_per_step(run_dir: Path) -> int:
+    from runner.config import load_config
+    from runner.protocol import CONFIG_FILE
+
+    cfg = load_config(run_dir / CONFIG_FILE)
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+
+
+def step_times(run_dir: Path, after: float, until: float | None = None) -> list[float]:
+    """Seconds per step of the train records logged after `after` (and before `until`), the
+    first one dropped: its window holds the compilation of a worker that started then."""
+    per_step = tokens_per_step(run_dir)
+    recs = [r for r in metrics(run_dir) if r.get("kind") == "train" and r.get("time", 0) > after]
+    if until is not None:
+        recs = [r for r in recs if r["time"] < until]
+    return [per_step / r["tokens_per_s"] for r in recs[1:] if r.get("tokens_per_s")]
+
+
+def worker_pid(run_dir: Path) -> int | None:
+    """The run's live worker, by state.json's pid checked against its create time and lock."""
+    from runner.files import read_json
+    from runner.procs import owns_lock
+    from runner.protocol import STATE_FILE, WORKER_LOCK_FILE, RunState
+
+    state = RunState.from_dict(read_json(run_dir / STATE_FILE))
+    if state is None or state.worker_pid is None:
+        return None
+    if not owns_lock(state.worker_pid, state.worker_create_time, run_dir / WORKER_LOCK_FILE):
+        return None
+    return state.worker_pid
+
+
+def kill_worker(run_dir: Path, quiet: bool = False) -> tuple[int, float] | None:
+    """SIGKILL the worker (only its pid: what an OOM kill or a segfault does; the supervisor
+    cleans up its process group). Returns (pid, the time of the kill), None if none ran."""
+    pid = worker_pid(run_dir)
+    if pid is None:
+        if not quiet:
+            raise BenchError(f"no live worker to kill in {run_dir}")
+        return None
+    t = time.time()
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        if not quiet:
+            raise BenchError(f"worker pid {pid} exited before it could be killed") from None
+        return None
+    return pid, t
+
+
+def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    from runner.procs import create_time
+
+    deadline = time.time() + timeout_s
+    while create_time(pid) is not None and time.time() < deadline:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def _row(name: str, seconds: float | None, note: str = "") -> dict:
+    return {"phase": name, "s": None if seconds is None else round(seconds, 3), "note": note}
+
+
+def worker_rows(start: dict, spawned_at: float, steady_s: float | None) -> list[dict]:
+    """A worker's way from its spawn to its first completed step, from its startup_times."""
+    first = start["first_step_end"] - start["setup_end"]
+    loaded = start.get("resumed_from")
+    what = f"step {loaded}: choose, sha256, load" if loaded is not None else "none to load"
+    if steady_s is None:
+        compile_s, step_s, step_note = None, first, "no steady step seen: all of it"
+    else:
+        compile_s, step_s, step_note = first - steady_s, steady_s, "one steady step"
+    return [
+        _row("process start", start["setup_start"] - spawned_at, "exec, imports, config"),
+        _row("model build", start["model_built"] - start["setup_start"], "CUDA init, model, AdamW"),
+        _row("data loader", start["resume_start"] - start["model_built"], "shards, checkpointer"),
+        _row("checkpoint load", start["resume_end"] - start["resume_start"], what),
+        _row("setup rest", start["setup_end"] - start["resume_end"], "compile wrapper, tracker"),
+        _row("compile", compile_s, "first step less one steady step"),
+        _row("first step", step_s, step_note),
+    ]
+
+
+def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | None) -> list[dict]:
+    """`m3run launch` (at t_launch) to the first completed step of its first worker."""
+    ev_launch = first_event(run_dir, "launch", t_launch - 1)
+    health = first_event(run_dir, "health", t_launch - 1, when="preflight")
+    smoke = first_event(run_dir, "smoke", t_launch - 1)
+    spawn = first_event(run_dir, "worker_start", t_launch - 1, pid=start["pid"])
+    if ev_launch is None or spawn is None:
+        raise BenchError(f"events.jsonl of {run_dir} lacks the launch or worker_start event")
+    rows = [_row("supervisor start", ev_launch["time"] - t_launch, "CLI, lock, config freeze")]
+    at = ev_launch["time"]
+    if health is not None:
+        rows.append(_row("health gate", health["time"] - at, "and the checkpoint scan before it"))
+        at = health["time"]
+    if smoke is not None:
+        rows.append(_row("smoke test", smoke["time"] - at, str(smoke.get("reason", ""))[:70]))
+        at = smoke["time"]
+    rows.append(_row("worker spawn", spawn["time"] - at))
+    rows += worker_rows(start, spawn["time"], steady_s)
+    rows.append(_row("total", start["first_step_end"] - t_launch, "launch to first step"))
+    return rows
+
+
+def restart_rows(run_dir: Path, t_kill: float, start: dict, steady_s: float | None) -> list[dict]:
+    """A worker SIGKILLed at t_kill to the first completed step of the one restarted after it."""
+    exited = first_event(run_dir, "worker_exit", t_kill)
+    restart = first_event(run_dir, "restart", t_kill)
+    spawn = first_event(run_dir, "worker_start", t_kill, pid=start["pid"])
+    if exited is None or restart is None or spawn is None:
+        raise BenchError(f"events.jsonl of {run_dir} lacks worker_exit, restart or worker_start")
+    backoff = float(restart.get("backoff_s") or 0.0)
+    released = first_event(run_dir, "gpu_memory_wait", restart["time"])
+    health = first_event(run_dir, "health", restart["time"], when="before restart")
+    rows = [
+        _row("exit seen", exited["time"] - t_kill, "SIGKILL to the supervisor's worker_exit"),
+        _row("restart decision", restart["time"] - exited["time"], "checkpoint settle, policy"),
+        _row("supervisor backoff", backoff),
+    ]
+    at = restart["time"] + backoff
+    if released is not None and released["time"] < spawn["time"]:
+        rows.append(_row("GPU memory release", released["time"] - at, "dead worker's memory"))
+        at = released["time"]
+    if health is not None and health["time"] <= spawn["time"]:
+        rows.append(_row("health gate", health["time"] - at, "with any release wait under 1 s"))
+        at = health["time"]
+    rows.append(_row("smoke test", 0.0, "not run on a supervisor restart"))
+    rows.append(_row("worker spawn", spawn["time"] - at))
+    rows += worker_rows(start, spawn["time"], steady_s)
+    rows.append(_row("total", start["first_step_end"] - t_kill, "SIGKILL to first new step"))
+    return rows
+
+
+def steady(times: list[float]) -> float | None:
+    return statistics.median(times) if times else None
+
+
+def format_rows(title: str, rows: list[dict]) -> str:
+    width = max(len(r["phase"]) for r in rows)
+    out = [title]
+    for r in rows:
+        s = f"{r['s']:9.2f} s" if r["s"] is not None else "        - "
+        out.append(f"  {r['phase']:<{width}} {s}  {r['note']}")
+    return "\n".join(out)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
