@@ -36,8 +36,6 @@ from pathlib import Path
 
 import supervised as sv
 
-STEADY_STEPS = 3  # steps logged after a first step, for its steady step time
-
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -53,40 +51,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=540.0, help="give up after this long")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny demo recipe, a small corpus")
     return ap.parse_args()
-
-
-def first_worker_start(run_dir: Path, after: float, exclude: int | None = None) -> dict | None:
-    for e in sv.events(run_dir):
-        if (
-            e.get("event") == "worker_start"
-            and e.get("time", 0) >= after
-            and e.get("pid") != exclude
-        ):
-            return e
-    return None
-
-
-def started_worker(run_dir: Path, after: float, exclude: int | None = None):
-    """The first worker started after `after` once it has completed its first step."""
-    spawn = first_worker_start(run_dir, after, exclude)
-    return sv.startup_record(run_dir, spawn["pid"]) if spawn else None
-
-
-def steady_step(run_dir: Path, start: dict, launch: sv.Launch, deadline: float) -> float | None:
-    """The median step time of STEADY_STEPS steps after this worker's first one."""
-    after = start["first_step_end"]
-    times = sv.wait_for(
-        f"{STEADY_STEPS} steps after the first",
-        lambda: t if len(t := sv.step_times(run_dir, after)) >= STEADY_STEPS else None,
-        launch,
-        deadline,
-    )
-    return sv.steady(times[:STEADY_STEPS])
-
-
-def newer_checkpoint(run_dir: Path, than: int | None) -> int | None:
-    steps = [s for s in sv.complete_steps(run_dir) if than is None or s > than]
-    return steps[-1] if steps else None
 
 
 def markdown(report: dict) -> str:
@@ -143,19 +107,19 @@ def main() -> int:
     try:
         first = sv.wait_for(
             "the first worker's first step",
-            lambda: started_worker(run_dir, launch.t0 - 1),
+            lambda: sv.started_worker(run_dir, launch.t0 - 1),
             launch,
             deadline,
         )
         rows = sv.launch_rows(
-            run_dir, launch.t0, first, steady_step(run_dir, first, launch, deadline)
+            run_dir, launch.t0, first, sv.steady_step(run_dir, first, launch, deadline)
         )
         measured("launch to first step", rows, caches="as given" if a.caches else "empty")
         loaded = first.get("resumed_from")
         for kind in a.restarts:
             step = sv.wait_for(
                 f"a complete checkpoint newer than step {loaded}",
-                lambda last=loaded: newer_checkpoint(run_dir, last),
+                lambda last=loaded: sv.newer_checkpoint(run_dir, last),
                 launch,
                 deadline,
             )
@@ -167,7 +131,7 @@ def main() -> int:
                 t_emptied = time.time()
             new = sv.wait_for(
                 f"the first step of the worker restarted after the kill of pid {killed}",
-                lambda t=t_kill, old=killed: started_worker(run_dir, t, exclude=old),
+                lambda t=t_kill, old=killed: sv.started_worker(run_dir, t, exclude=old),
                 launch,
                 deadline,
             )
@@ -176,7 +140,7 @@ def main() -> int:
             if t_emptied is not None and spawn["time"] < t_emptied:
                 note = "not cold: the worker started before its caches were emptied"
             rows = sv.restart_rows(
-                run_dir, t_kill, new, steady_step(run_dir, new, launch, deadline)
+                run_dir, t_kill, new, sv.steady_step(run_dir, new, launch, deadline)
             )
             measured(
                 f"{kind} restart: SIGKILL after checkpoint step {step} to the first new step",

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 # What `m3run launch` and the worker import (module names), beyond torch.
+STEADY_STEPS = 3  # steps logged after a first step, for its steady step time
 NEEDS = ("pydantic", "yaml", "structlog", "psutil", "typer", "rich", "numpy", "safetensors",
          "tokenizers", "pyarrow", "zstandard", "fsspec", "pynvml")  # fmt: skip
 
@@ -270,6 +271,42 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
     deadline = time.time() + timeout_s
     while create_time(pid) is not None and time.time() < deadline:
         time.sleep(0.05)
+
+
+def first_worker_start(run_dir: Path, after: float, exclude: int | None = None) -> dict | None:
+    for e in events(run_dir):
+        if (
+            e.get("event") == "worker_start"
+            and e.get("time", 0) >= after
+            and e.get("pid") != exclude
+        ):
+            return e
+    return None
+
+
+def started_worker(run_dir: Path, after: float, exclude: int | None = None):
+    """The first worker started after `after` once it has completed its first step."""
+    spawn = first_worker_start(run_dir, after, exclude)
+    return startup_record(run_dir, spawn["pid"]) if spawn else None
+
+
+def steady_step(run_dir: Path, start: dict, launch: Launch, deadline: float,
+                on_poll: Callable[[], None] | None = None) -> float | None:  # fmt: skip
+    """The median step time of STEADY_STEPS steps after this worker's first one."""
+    after = start["first_step_end"]
+    times = wait_for(
+        f"{STEADY_STEPS} steps after the first",
+        lambda: t if len(t := step_times(run_dir, after)) >= STEADY_STEPS else None,
+        launch,
+        deadline,
+        on_poll=on_poll,
+    )
+    return steady(times[:STEADY_STEPS])
+
+
+def newer_checkpoint(run_dir: Path, than: int | None) -> int | None:
+    steps = [s for s in complete_steps(run_dir) if than is None or s > than]
+    return steps[-1] if steps else None
 
 
 # ---------------------------------------------------------------------------- phases
