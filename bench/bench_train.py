@@ -289,7 +289,15 @@ def main() -> None:
             f"GPU {torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton "
             f"{triton.__version__} | measured bf16 matmul peak {peak / 1e12:.0f} TFLOP/s"
         )
-    results = []
+    results: list[dict] = []
+
+    def keep(result: dict) -> None:
+        """Each result is written as soon as it exists: a later failure keeps the earlier ones."""
+        results.append(result)
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps({"peak_flops": peak, "results": results}, indent=2))
+
     for micro in micro_batches:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
         cfg = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run, data_dir,
@@ -297,14 +305,14 @@ def main() -> None:
         # The anchor's import fails before minutes are spent on ours.
         make_mixer = anchor_factory(cfg, a.dry_run) if a.anchor else None
         r = bench_one(cfg, steps, a.warmup, a.profile, peak)
-        results.append(r)
+        keep(r)
         print(line(r), flush=True)
         if "gpu_time_breakdown" in r:
             print("   GPU time:", json.dumps(r["gpu_time_breakdown"]))
         if make_mixer is not None:
             impl = "stand-in" if a.dry_run else "official"
             o = run_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)
-            results.append(o)
+            keep(o)
             print(line(o), flush=True)
             mem = (
                 f", peak memory {r['peak_mem_gib'] / o['peak_mem_gib']:.2f}×"
@@ -316,9 +324,6 @@ def main() -> None:
                 f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}×{mem}",
                 flush=True,
             )
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"peak_flops": peak, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
