@@ -256,9 +256,11 @@ def main() -> int:
         sv.wait_for(
             f"step {mid}", lambda: _at_step(beats, mid), launch, deadline, on_poll=beats.poll
         )
-        snapshots["before the kill"] = snapshot("before the kill")
-        newest = max(snapshots["before the kill"])
         killed, t_kill = sv.kill_worker(run_dir)
+        sv.wait_gone(killed)
+        # Taken once the worker is dead: nothing can complete a checkpoint until the restart.
+        snapshots["at the kill"] = snapshot("at the kill")
+        newest = max(snapshots["at the kill"])
         new = sv.wait_for(
             "the restarted worker's first step",
             lambda: sv.started_worker(run_dir, t_kill, exclude=killed),

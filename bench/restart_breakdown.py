@@ -125,6 +125,7 @@ def main() -> int:
             )
             killed, t_kill = sv.kill_worker(run_dir)
             sv.wait_gone(killed)
+            step = max(sv.complete_steps(run_dir))  # one may have completed since the wait
             t_emptied = None
             if kind == "cold":
                 sv.empty_caches(caches)
