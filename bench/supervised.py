@@ -24,10 +24,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
-# What `m3run launch` and the worker import (module names), beyond torch.
 STEADY_STEPS = 3  # steps logged after a first step, for its steady step time
-NEEDS = ("pydantic", "yaml", "structlog", "psutil", "typer", "rich", "numpy", "safetensors",
-         "tokenizers", "pyarrow", "zstandard", "fsspec", "pynvml")  # fmt: skip
+# What `m3run launch` and the worker import (module names).
+NEEDS = ("torch", "pydantic", "yaml", "structlog", "psutil", "typer", "rich", "numpy",
+         "safetensors", "tokenizers", "pyarrow", "zstandard", "fsspec", "pynvml")  # fmt: skip
 
 
 class BenchError(RuntimeError):
