@@ -142,12 +142,12 @@ class Launch:
         return "\n".join(lines[-n:])
 
     def kill(self) -> None:
-        """Every process of the run, now: the worker (by its lock-checked pid), the supervisor."""
-        kill_worker(self.run_dir, quiet=True)
+        """The run's processes, now: the supervisor first (so it restarts nothing), then its
+        orphaned worker (by state.json's pid, checked against worker.lock)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
-        kill_worker(self.run_dir, quiet=True)  # one it may have started meanwhile
+        kill_worker(self.run_dir, quiet=True)
         self._out.close()
 
 
