@@ -3,7 +3,7 @@ kernel (when its source is importable) and the PyTorch chunked reference, forwar
 forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
-                                   [--chunk 64] [--no-ref] [--kernels]
+                                   [--chunk 64] [--no-ref] [--kernels] [--doc-len N]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
 PYTHONPATH (``PYTHONPATH=path/to/dir-holding-mamba_ssm``) and it is timed beside ours; only its
@@ -77,9 +77,12 @@ def official_fn(combined):
     return fn
 
 
-def ours_fn(backend):
+def ours_fn(backend, reset=None):
+    """Our scan; with ``reset`` (b, t) bool, packed documents (the state reset at each start)."""
+    extra = {} if reset is None else {"reset": reset}
+
     def fn(chunk_size, **x):
-        return mamba3_siso(**x, chunk_size=chunk_size, backend=backend)
+        return mamba3_siso(**x, chunk_size=chunk_size, backend=backend, **extra)
 
     return fn
 
@@ -144,6 +147,12 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-ref", action="store_true", help="skip the PyTorch reference")
     ap.add_argument(
+        "--doc-len",
+        type=int,
+        default=0,
+        help="also time ours on packed documents of this many tokens (a reset at each start)",
+    )
+    ap.add_argument(
         "--kernels",
         nargs="*",
         choices=("ours", "official"),
@@ -162,6 +171,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, triton {triton.__version__}")
 
     impls = {"ours": ours_fn("triton")}
+    if a.doc_len:
+        reset = torch.zeros(a.b, a.t, dtype=torch.bool, device="cuda")
+        reset[:, a.doc_len // 2 :: a.doc_len] = True  # starts off the chunk grid too
+        impls[f"ours+reset/{a.doc_len}"] = ours_fn("triton", reset)
     combined = load_official()
     if combined is not None:
         impls["official"] = official_fn(combined)
@@ -187,14 +200,14 @@ def main() -> None:
             f"{name}: fwd {results[name][0]:.3f} ms, fwd+bwd {results[name][1]:.3f} ms", flush=True
         )
     base = results.get("official")
-    head = (f"{'impl':9} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
+    head = (f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
             f" {'fwd/off':>8} {'f+b/off':>8}")  # fmt: skip
     print("\n" + head + "\n" + "-" * len(head))
     for name, (ms_f, ms_fb, _) in results.items():
         r_f = f"{ms_f / base[0]:.2f}" if base else "-"
         r_fb = f"{ms_fb / base[1]:.2f}" if base else "-"
         print(
-            f"{name:9} {ms_f:8.3f} {io_f / ms_f / 1e6:9.0f}"
+            f"{name:15} {ms_f:8.3f} {io_f / ms_f / 1e6:9.0f}"
             f" {ms_fb:11.3f} {io_fb / ms_fb / 1e6:7.0f} {r_f:>8} {r_fb:>8}"
         )
     print("(fwd/off, f+b/off: time over the official kernel's time, same process)")

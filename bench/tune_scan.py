@@ -25,11 +25,10 @@ from kernels.mamba3 import triton_common as tc
 
 C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
-    "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 2, bv=32)],
-    "bwd_prep": [C(4, 2), C(8, 1), C(8, 2)],
-    "bwd_gate": [C(4, 1), C(4, 2), C(8, 1)],
-    "bwd_main": [C(4, 1), C(4, 2), C(8, 1), C(4, 1, 240)],
-    "bwd_post": [C(4, 2), C(8, 1), C(4, 2, bv=8), C(4, 2, bv=4), C(8, 2, bv=8)],
+    "fwd": [C(4, 2), C(4, 3), C(8, 2)],
+    "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
+                   C(4, 2, bv=16)],
+    "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, bv=1), C(8, 1, bv=1), C(4, 2, bv=1), C(4, 1, bv=2)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
@@ -59,14 +58,14 @@ def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
     return launches
 
 
-def tune(x: dict, chunk: int, split_gate: bool, log=print) -> tuple[float, dict[str, dict]]:
-    """Time each kernel alone under each candidate at this chunk (with or without the gate
-    kernel); returns the sum of the best times (ms) and {kernel: best config as a dict}. A
-    candidate that changes a launch's grid or buffers (``bv``) is recorded afresh from a
-    forward+backward under it."""
+def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
+    """Time each kernel alone under each candidate at this chunk; returns the sum of the best
+    times (ms) and {kernel: best config as a dict}. A
+    candidate that changes a launch's grid or buffers (a ``bv`` other than the default's) is
+    recorded afresh from a forward+backward under it."""
     import triton.testing
 
-    base = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS), split_gate))
+    base = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS)))
     best, total = {}, 0.0
     for name in tc.KERNELS:
         if name not in base:
@@ -74,9 +73,9 @@ def tune(x: dict, chunk: int, split_gate: bool, log=print) -> tuple[float, dict[
         times = []
         for cfg in CANDIDATES[name]:
             try:
-                if cfg.bv:
+                if cfg.bv != tc.DEFAULT_CONFIGS[name].bv:
                     configs = dict(tc.DEFAULT_CONFIGS, **{name: cfg})
-                    kern, grid, args, ce = record(x, tc.Plan(chunk, configs, split_gate))[name]
+                    kern, grid, args, ce = record(x, tc.Plan(chunk, configs))[name]
                 else:
                     kern, grid, args, ce = base[name]
 
@@ -116,14 +115,6 @@ def main() -> None:
                           ("g", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32, 16], help="chunks to try")
-    ap.add_argument(
-        "--split-gate",
-        type=int,
-        nargs="+",
-        choices=(0, 1),
-        default=[0, 1],
-        help="without (0) and/or with (1) the backward's gate kernel",
-    )
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
     a = ap.parse_args()
@@ -139,12 +130,11 @@ def main() -> None:
           f"n{a.n} s{a.s} g{a.g} {a.dtype}")  # fmt: skip
     results = {}
     for chunk in a.chunk:
-        for split in a.split_gate:
-            print(f"\nchunk {chunk}, gate kernel {'on' if split else 'off'}")
-            results[chunk, split] = tune(x, chunk, bool(split))
-            print(f"chunk {chunk}, gate {split}: {results[chunk, split][0]:.3f} ms of kernels")
-    chunk, split = min(results, key=lambda cs: results[cs][0])
-    entry = {"chunk": chunk, "split_gate": bool(split), **results[chunk, split][1]}
+        print(f"\nchunk {chunk}")
+        results[chunk] = tune(x, chunk)
+        print(f"chunk {chunk}: {results[chunk][0]:.3f} ms of kernels")
+    chunk = min(results, key=lambda c: results[c][0])
+    entry = {"chunk": chunk, **results[chunk][1]}
     # The kernels' chunk does not change the result beyond rounding: every caller chunk size
     # of this shape runs at the fastest one.
     for caller in tc.CHUNK_SIZES:

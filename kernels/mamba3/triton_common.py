@@ -86,14 +86,14 @@ class Tiles:
 
 # --- launch configurations -------------------------------------------------------------------
 
-KERNELS = ("fwd", "bwd_prep", "bwd_gate", "bwd_main", "bwd_post", "bwd_angle")
+KERNELS = ("fwd", "bwd_dstate", "bwd_chunk", "bwd_angle")
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
     .maxnreg; None leaves it to the compiler) and a block size ``bv`` (0: all): of p for the
-    forward, of the heads of a group for the backward's post kernel."""
+    forward and the backward's state kernel, of the heads of a group for its chunk kernel."""
 
     num_warps: int
     num_stages: int
@@ -115,10 +115,8 @@ class LaunchConfig:
 # architecture (sm_80 and newer) at every tile size, found by ptxas without spills on sm_80.
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "fwd": LaunchConfig(num_warps=4, num_stages=2),
-    "bwd_prep": LaunchConfig(num_warps=4, num_stages=2),
-    "bwd_gate": LaunchConfig(num_warps=4, num_stages=2),
-    "bwd_main": LaunchConfig(num_warps=4, num_stages=1),
-    "bwd_post": LaunchConfig(num_warps=4, num_stages=2),
+    "bwd_dstate": LaunchConfig(num_warps=4, num_stages=1),
+    "bwd_chunk": LaunchConfig(num_warps=4, num_stages=1, bv=1),
     "bwd_angle": LaunchConfig(num_warps=4, num_stages=2),
 }
 
@@ -147,13 +145,10 @@ _fallback_logged: set[tuple[str, str]] = set()
 @dataclass(frozen=True)
 class Plan:
     """How one call runs: the chunk the kernels use (the result does not depend on it beyond
-    rounding, so the table may pick another than the caller's), each kernel's launch, and
-    whether the backward's gate work (do, dz, dcur, the inter-chunk decay term) runs in its own
-    chunk-parallel kernel before the sequential main kernel (same numbers either way)."""
+    rounding, so the table may pick another than the caller's) and each kernel's launch."""
 
     chunk: int
     configs: dict[str, LaunchConfig]
-    split_gate: bool = False
 
 
 def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
@@ -179,7 +174,7 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
         return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
     configs = {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
                for name in KERNELS}  # fmt: skip
-    return Plan(int(entry.get("chunk", chunk_size)), configs, bool(entry.get("split_gate", False)))
+    return Plan(int(entry.get("chunk", chunk_size)), configs)
 
 
 # --- jit helpers shared by the forward and the backward --------------------------------------
@@ -258,6 +253,19 @@ if triton is not None:
         """exp(A_i − A_j)·W_ij: w_j below the diagonal, λ_jΔ_j on it (the diagonal correction)."""
         b_decay = tl.exp2(tl.minimum(b_A2[:, None] - b_A2[None, :], 0.0))
         return tl.where(m_strict, b_decay * b_w[None, :], tl.where(m_diag, b_cur[None, :], 0.0))
+
+    @triton.jit
+    def segments(seg, o_tc, last):
+        """Where resets cut a chunk, from its segment ids (``seg`` points at the batch row of
+        :func:`kernels.mamba3.triton_siso.segment_ids`: the count of resets in the chunk up to and
+        including each token; ``last`` is the chunk's last position). Returns which tokens the
+        entering state reaches (before the chunk's first reset), which reach the leaving state
+        (after its last one), whether the entering state survives the chunk (no reset in it)
+        and which pairs of tokens share a segment. Masks, never −inf: a decay across a reset is
+        zeroed, not underflowed."""
+        b_seg = tl.load(seg + o_tc)
+        b_last = tl.load(seg + last)
+        return b_seg == 0, b_seg == b_last, b_last == 0, b_seg[:, None] == b_seg[None, :]
 
     @triton.jit
     def chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2: tl.constexpr):

@@ -26,6 +26,7 @@ from .triton_common import (
     chunk_scalars,
     decay_weights,
     launch,
+    segments,
     tl,
     to_dot,
     triton,
@@ -51,12 +52,13 @@ if triton is not None:
     # T and NC vary with every batch shape: not worth a compile each.
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_fwd_kernel(
-        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0,
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg,
         y, phi_t, g_t, g_in, phi_in,
         T, NC, H, HPG, P, N, S,
         s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, SAVE: tl.constexpr,
+        HAS_RESET: tl.constexpr,
     ):  # fmt: skip
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = i_bh // H, i_bh % H
@@ -72,6 +74,7 @@ if triton is not None:
         adt += i_bh.to(tl.int64) * T
         dt += i_bh.to(tl.int64) * T
         trap += i_bh.to(tl.int64) * T
+        seg += i_b.to(tl.int64) * NC * BT
 
         o_t = tl.arange(0, BT)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -101,6 +104,19 @@ if triton is not None:
             o_tc = i_c * BT + o_t
             m_t = o_tc < T
             b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT)
+            # exp(A_i) (entering state → token i), exp(A_L − A_j) (token j → leaving state),
+            # exp(A_L) (entering → leaving) and the pairs one token reaches another in: with
+            # resets, none of them crosses one.
+            b_eA = tl.exp2(b_A2)
+            b_eL = tl.exp2(b_AL2 - b_A2)
+            b_eAL = tl.exp2(b_AL2)
+            m_low = m_strict
+            if HAS_RESET:
+                m_in, m_out, keep, m_same = segments(seg, o_tc, i_c * BT + BT - 1)
+                b_eA = tl.where(m_in, b_eA, 0.0)
+                b_eL = tl.where(m_out, b_eL, 0.0)
+                b_eAL = tl.where(keep, b_eAL, 0.0)
+                m_low = m_strict & m_same
 
             # Φ = carried offset + chunk-local cumsum of Δ·π·tanh(θ̃).
             b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
@@ -119,7 +135,7 @@ if triton is not None:
 
             # Intra-chunk: (q̄k̄ᵀ ⊙ exp(A_i − A_j) ⊙ W) x.
             b_s = tl.dot(b_qc, tl.trans(to_dot(b_k, DT)))
-            b_Dw = decay_weights(b_A2, b_w, b_cur, m_strict, m_diag)
+            b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
             b_o = tl.dot(to_dot(b_s * b_Dw, DT), b_x)
 
             # Inter-chunk: exp(A_i) · G q̄_i, with the state entering the chunk.
@@ -127,11 +143,11 @@ if triton is not None:
             if SAVE:
                 p_gi = g_in + (i_bh.to(tl.int64) * NC + i_c) * BP * 2 * BN2
                 tl.store(p_gi + o_v[:, None] * (2 * BN2) + o_n[None, :], b_Gc)
-            b_o += tl.exp2(b_A2)[:, None] * tl.dot(b_qc, tl.trans(b_Gc))
+            b_o += b_eA[:, None] * tl.dot(b_qc, tl.trans(b_Gc))
 
             # Fold the chunk into G: G ← exp(A_L)·G + Σ_j exp(A_L − A_j)·w_j · x_j k̄_jᵀ.
-            b_ew = tl.exp2(b_AL2 - b_A2) * b_w
-            b_G = b_G * tl.exp2(b_AL2) + tl.dot(tl.trans(b_x), to_dot(b_k * b_ew[:, None], DT))
+            b_ew = b_eL * b_w
+            b_G = b_G * b_eAL + tl.dot(tl.trans(b_x), to_dot(b_k * b_ew[:, None], DT))
 
             if HAS_D:
                 b_o += b_D * b_x.to(tl.float32)
@@ -147,11 +163,12 @@ if triton is not None:
             tl.store(phi_t + i_bh * S + o_m, b_phi0, mask=m_s)
 
 
-def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, chunk_size, save,
-             cfg: LaunchConfig):  # fmt: skip
-    """Launch the forward. Returns y, the final angle Φ_T and state G_T (fp32), and for the
-    backward (``save``) the state entering every chunk (b·h, nc, BP, BN) in v's dtype and the
-    angle entering every chunk (b·h, nc, BN2) fp32."""
+def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size,
+             save, cfg: LaunchConfig):  # fmt: skip
+    """Launch the forward (``seg``: the resets as triton_siso.segment_ids gives them, or None).
+    Returns y, the final angle Φ_T and state G_T (fp32), and for the backward (``save``) the
+    state entering every chunk (b·h, nc, BP, BN) in v's dtype and the angle entering every
+    chunk (b·h, nc, BN2) fp32."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
@@ -172,13 +189,13 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, chu
     args = (
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles,
         d if d is not None else q_bias, phi0 if phi0 is not None else phi_t,
-        g0 if g0 is not None else g_t,
+        g0 if g0 is not None else g_t, seg if seg is not None else trap,
         y, phi_t, g_t, g_in, phi_in,
         t, nc, h, h // g, p, n, s,
         v.stride(0), v.stride(1), v.stride(2), zz.stride(0), zz.stride(1), zz.stride(2),
         angles.stride(0), angles.stride(1), angles.stride(2), angles.stride(3),
     )  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=BV, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None,
-                 HAS_H0=g0 is not None, SAVE=save)  # fmt: skip
+                 HAS_H0=g0 is not None, SAVE=save, HAS_RESET=seg is not None)  # fmt: skip
     launch("fwd", siso_fwd_kernel, (triton.cdiv(BP, BV), b * h), args, flags, cfg)
     return y, phi_t, g_t, g_in, phi_in

@@ -26,7 +26,7 @@ MAX_REGS_PER_THREAD = 255
 
 _TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-    torch.int64: "i64", torch.int32: "i32", torch.bool: "i1",
+    torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1",
 }  # fmt: skip
 
 
@@ -129,9 +129,10 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, 
 
 
 def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
-                    cfgs: dict[str, tc.LaunchConfig] | None = None, split_gate=False):  # fmt: skip
+                    cfgs: dict[str, tc.LaunchConfig] | None = None):  # fmt: skip
     """Run the forward and backward launchers on meta tensors; returns every launch they make as
-    (name, kernel, args, constexprs, cfg), with d, z and an initial state present."""
+    (name, kernel, args, constexprs, cfg), with d, z, an initial state and resets present (the
+    largest variant of each kernel)."""
     from .triton_bwd import siso_bwd
     from .triton_fwd import siso_fwd
 
@@ -144,15 +145,18 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     angles = torch.empty(b, t, h, s, **m)
     d = torch.empty(h, **m)
     phi0, g0 = torch.empty(b, h, s, **m), torch.empty(b, h, p, n, **m)
+    nc = -(-t // chunk_size)
+    seg = torch.empty(b, nc * chunk_size, dtype=torch.int32, **m)
     launches = []
     tc.set_recorder(lambda name, kern, grid, args, ce, cfg: launches.append((name, kern, args, ce,
                                                                               cfg)))  # fmt: skip
     try:
         _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
-                                         phi0, g0, chunk_size, True, cfgs["fwd"])  # fmt: skip
+                                         phi0, g0, seg, chunk_size, True,
+                                         cfgs["fwd"])  # fmt: skip
         dg_t, dphi_t = torch.empty(b, h, p, n, **m), torch.empty(b, h, s, **m)
-        siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in, dy,
-                 dg_t, dphi_t, chunk_size, cfgs, split_gate)  # fmt: skip
+        siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
+                 dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
     finally:
         tc.set_recorder(None)
     return launches
@@ -162,8 +166,7 @@ def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
     """Compile every kernel of one forward+backward under ``plan`` for ``sm_<arch>``; one report
     per kernel."""
     out = []
-    launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
-                               split_gate=plan.split_gate, **shape)  # fmt: skip
+    launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk, **shape)
     for name, kern, args, ce, cfg in launches:
         ck = compile_kernel(kern, args, ce, cfg, arch)
         res = _ptxas(ck.asm["ptx"], arch)
@@ -172,24 +175,23 @@ def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
 
 
 def table_plans() -> list[tuple[str, dict, tc.Plan]]:
-    """The defaults (at DEFAULT_CHUNK, with and without the gate kernel) and each distinct plan
+    """The defaults (at DEFAULT_CHUNK) and each distinct plan
     of the launch table, as (name, shape, plan) with the shape arguments of :func:`report`."""
     from .launch_table import TABLE
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     bench = dict(p=64, n=64, dtype=torch.bfloat16)
     defaults = dict(tc.DEFAULT_CONFIGS)
-    out = [("defaults", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults)),
-           ("defaults, gate split", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults, True))]  # fmt: skip
+    out = [("defaults", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults))]
     seen = set()
     for arch, keys in sorted(TABLE.items()):
         for key, entry in sorted(keys.items()):
             _, p, n, dtype = key.split("-")
             configs = {name: tc.LaunchConfig(**entry[name]) if name in entry else
                        tc.DEFAULT_CONFIGS[name] for name in tc.KERNELS}  # fmt: skip
-            plan = tc.Plan(int(entry.get("chunk", 64)), configs, bool(entry.get("split_gate")))
+            plan = tc.Plan(int(entry.get("chunk", 64)), configs)
             shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
-            ident = (plan.chunk, plan.split_gate, tuple(sorted(configs.items())), p, n, dtype)
+            ident = (plan.chunk, tuple(sorted(configs.items())), p, n, dtype)
             if ident not in seen:
                 seen.add(ident)
                 out.append((f"{arch} {key} (chunk {plan.chunk})", shape, plan))

@@ -18,24 +18,38 @@ from .triton_common import TRITON_IMPORT_ERROR, plan_for, shape_error
 from .triton_fwd import siso_fwd
 
 
+def segment_ids(reset: Tensor, chunk: int) -> Tensor:
+    """The kernels' view of ``reset`` (b, t) bool: per token, the count of resets in its chunk
+    of ``chunk`` tokens up to and including it, (b, nc·chunk) int32, zero-padded to whole chunks.
+    A kernel reads its masks from these with two loads (triton_common.segments)."""
+    b, t = reset.shape
+    nc = -(-t // chunk)
+    padded = torch.zeros(b, nc * chunk, dtype=torch.int32, device=reset.device)
+    padded[:, :t] = reset
+    return padded.view(b, nc, chunk).cumsum(2, dtype=torch.int32).view(b, nc * chunk)
+
+
 class SisoTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, chunk_size):
+    def forward(ctx, q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, reset,
+                chunk_size):  # fmt: skip
         save = any(ctx.needs_input_grad)
         plan = plan_for(v.device, v.shape[3], q.shape[3], chunk_size, v.dtype)
+        seg = None if reset is None else segment_ids(reset, plan.chunk)
         y, phi_t, g_t, g_in, phi_in = siso_fwd(
-            q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, plan.chunk, save,
-            plan.configs["fwd"],
+            q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, plan.chunk,
+            save, plan.configs["fwd"],
         )  # fmt: skip
         if save:
             ctx.save_for_backward(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0,
-                                  g_in, phi_in)  # fmt: skip
+                                  seg, g_in, phi_in)  # fmt: skip
             ctx.plan = plan
         return y, phi_t, g_t
 
     @staticmethod
     def backward(ctx, dy, dphi_t, dg_t):
-        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, g_in, phi_in = ctx.saved_tensors
+        (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
+         phi_in) = ctx.saved_tensors  # fmt: skip
         b, h, s = v.shape[0], v.shape[2], angles.shape[3]
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
         if dphi_t is None:
@@ -45,14 +59,15 @@ class SisoTriton(torch.autograd.Function):
             dg_t = dg_t.float().contiguous()
         plan = ctx.plan
         (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd, dphi0,
-         dg0) = siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g_in, phi_in,
-                         dy, dg_t, dphi_t, plan.chunk, plan.configs, plan.split_gate)  # fmt: skip
+         dg0) = siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
+                         dy, dg_t, dphi_t, plan.chunk, plan.configs)  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dz, dadt, ddt, dtrap,
             dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,
             None if d is None else dd.to(d.dtype),
             dphi0 if ctx.needs_input_grad[11] else None,
             dg0 if g0 is not None else None,
+            None,
             None,
         )  # fmt: skip
 
@@ -73,12 +88,14 @@ def mamba3_siso_triton(
     chunk_size: int = 64,
     initial_state: State | None = None,
     return_final_state: bool = False,
+    reset: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, State]:
     """The Mamba-3 SISO scan through Triton; same contract as ``mamba3_siso``.
 
     Shapes: q, k (b, t, g, n) with g = 1 or h; v, z (b, t, h, p) in bf16, fp16 or fp32 (q, k, z
     are cast to v's dtype); adt, dt, trap (b, h, t) and q_bias, k_bias (h, n), angles
-    (b, t, h, s) in fp32; d (h,). Dots run in v's dtype with fp32 accumulation; the state,
+    (b, t, h, s) in fp32; d (h,); reset (b, t) bool (no state crosses a token marked True: the
+    kernels mask every decay across it). Dots run in v's dtype with fp32 accumulation; the state,
     decays and angles are fp32. Differentiable in every input, the initial state included.
     Callers go through :func:`kernels.mamba3.api.mamba3_siso`, which validates the shapes.
     """
@@ -108,7 +125,7 @@ def mamba3_siso_triton(
         c0 = (1.0 - torch.sigmoid(trap[..., 0])) * dt[..., 0]
         g0 = (h0 + c0[..., None, None] * (v0[..., :, None] * k0[..., None, :])).contiguous()
     y, phi_t, g_t = SisoTriton.apply(
-        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, chunk_size
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, reset, chunk_size
     )
     if not return_final_state:
         return y

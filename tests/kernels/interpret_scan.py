@@ -45,19 +45,27 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``post_bv`` / ``split_gate``: a launch plan other than the defaults (kernels
-# at another chunk than the caller's; the post kernel in blocks of heads; the gate kernel).
+# ``kernel_chunk`` / ``chunk_hb`` / ``dstate_bv``: a launch plan other than the defaults (kernels
+# at another chunk than the caller's; the backward's chunk kernel in blocks of heads; its state
+# kernel in blocks of p rows).
 CASES = [
-    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
-    dict(b=1, t=90, h=5, p=16, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
-         kernel_chunk=32, post_bv=2),
+    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True,
+         chunk_hb=0),
+    dict(b=1, t=90, h=5, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
+         kernel_chunk=32, chunk_hb=2, dstate_bv=16),
     dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True),
-    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True,
-         split_gate=True),
-    dict(b=1, t=40, h=2, p=16, n=16, s=4, g=1, chunk=16, state=False, d=False, z=False,
-         split_gate=True),
-    dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True),
+    dict(b=2, t=70, h=4, p=32, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True,
+         dstate_bv=16),
+    dict(b=1, t=40, h=2, p=16, n=16, s=4, g=1, chunk=16, state=False, d=False, z=False),
+    dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True,
+         dstate_bv=16),
     dict(b=1, t=64, h=2, p=16, n=16, s=8, g=2, chunk=32, state=False, d=True, z=False),
+    # Resets: on a kernel-chunk boundary, inside chunks, two in one chunk, on token 0 with a
+    # carried state; per batch row.
+    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
+         reset=((0, 32, 45, 47), (0, 5, 63, 64, 99))),
+    dict(b=1, t=70, h=2, p=16, n=16, s=4, g=2, chunk=16, state=True, d=True, z=True,
+         reset=((0, 1, 16, 33),), chunk_hb=0, dstate_bv=16),
 ]  # fmt: skip
 
 
@@ -74,11 +82,12 @@ def inputs(b, t, h, p, n, s, g, d, z, gen):
     )  # fmt: skip
 
 
-def run(fn, x, state, gy, g_state, chunk):
+def run(fn, x, state, gy, g_state, chunk, reset=None):
     leaves = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
     st = None if state is None else [a.clone().requires_grad_() for a in state]
+    extra = {} if reset is None else {"reset": reset}
     y, fin = fn(**{k: leaves.get(k) for k in x}, chunk_size=chunk, initial_state=st,
-                return_final_state=True)  # fmt: skip
+                return_final_state=True, **extra)  # fmt: skip
     loss = (y * gy).sum() + sum((f * g).sum() for f, g in zip(fin, g_state, strict=True))
     names = list(leaves) + ([f"state{i}" for i in range(4)] if st else [])
     grads = torch.autograd.grad(loss, list(leaves.values()) + (st or []))
@@ -125,12 +134,15 @@ def main() -> None:
     for case in CASES:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
-        plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS),
-                       c.pop("split_gate", False))  # fmt: skip
-        if "post_bv" in c:
-            post = tc.DEFAULT_CONFIGS["bwd_post"]
-            plan.configs["bwd_post"] = tc.LaunchConfig(post.num_warps, post.num_stages,
-                                                       bv=c.pop("post_bv"))  # fmt: skip
+        plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
+        for name, key in (("bwd_chunk", "chunk_hb"), ("bwd_dstate", "dstate_bv")):
+            if key in c:
+                base = tc.DEFAULT_CONFIGS[name]
+                plan.configs[name] = tc.LaunchConfig(base.num_warps, base.num_stages,
+                                                     bv=c[key])  # fmt: skip
+        c.pop("chunk_hb", None)
+        c.pop("dstate_bv", None)
+        starts = c.pop("reset", None)
         triton_siso.plan_for = lambda *args, plan=plan: plan
         x = inputs(**c, gen=gen)
         b, t, h, p = x["v"].shape
@@ -143,9 +155,14 @@ def main() -> None:
             state = (2 * math.pi * torch.rand(b, h, s, generator=gen),
                      torch.randn(b, h, p, n, generator=gen), torch.randn(b, h, n, generator=gen),
                      torch.randn(b, h, p, generator=gen))  # fmt: skip
-        y, fin, grads = run(mamba3_siso_triton, x, state, gy, g_state, chunk)
+        reset = None
+        if starts is not None:
+            reset = torch.zeros(b, t, dtype=torch.bool)
+            for row, positions in enumerate(starts):
+                reset[row, list(positions)] = True
+        y, fin, grads = run(mamba3_siso_triton, x, state, gy, g_state, chunk, reset)
         ref = lambda **a: mamba3_siso(**a, backend="pytorch")  # noqa: E731
-        y_r, fin_r, grads_r = run(ref, x, state, gy, g_state, chunk)
+        y_r, fin_r, grads_r = run(ref, x, state, gy, g_state, chunk, reset)
         errs = {
             "y": rel(y, y_r),
             "ssm_state": rel(fin[1], fin_r[1]),

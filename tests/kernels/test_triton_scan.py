@@ -83,7 +83,7 @@ def angle_err(a, b) -> float:
     return (d.norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _run(x, state, backend, chunk_size, gy, g_state, f64):
+def _run(x, state, backend, chunk_size, gy, g_state, f64, reset=None):
     """One scan with leaves requiring grad; returns y, final state, {input: grad}."""
     leaves = {
         key: val.detach().double().requires_grad_() if f64 else val.detach().requires_grad_()
@@ -94,9 +94,8 @@ def _run(x, state, backend, chunk_size, gy, g_state, f64):
     if state is not None:
         st = [(s.detach().double() if f64 else s.detach().clone()).requires_grad_() for s in state]
     args = {key: leaves.get(key) for key in x}
-    y, final = mamba3_siso(
-        **args, chunk_size=chunk_size, initial_state=st, return_final_state=True, backend=backend
-    )
+    y, final = mamba3_siso(**args, chunk_size=chunk_size, initial_state=st,
+                           return_final_state=True, backend=backend, reset=reset)  # fmt: skip
     dtype = torch.float64 if f64 else torch.float32
     loss = (y.to(dtype) * gy.to(dtype)).sum() + sum(
         (f * g.to(dtype)).sum() for f, g in zip(final, g_state, strict=True)
@@ -107,7 +106,7 @@ def _run(x, state, backend, chunk_size, gy, g_state, f64):
     return y.detach(), [f.detach() for f in final], grads
 
 
-def errors(x, chunk_size=64, state=None, seed=7) -> dict[str, float]:
+def errors(x, chunk_size=64, state=None, seed=7, reset=None) -> dict[str, float]:
     """Relative errors of the Triton scan against the fp32 reference, by output and gradient."""
     b, t, h, p = x["v"].shape
     n, s = x["k"].shape[3], x["angles"].shape[3]
@@ -115,8 +114,8 @@ def errors(x, chunk_size=64, state=None, seed=7) -> dict[str, float]:
     gy = torch.randn(b, t, h, p, generator=gen).to(DEV)
     g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
                ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))]  # fmt: skip
-    y, fin, grads = _run(x, state, "triton", chunk_size, gy, g_state, f64=False)
-    y_r, fin_r, grads_r = _run(x, state, "pytorch", chunk_size, gy, g_state, f64=True)
+    y, fin, grads = _run(x, state, "triton", chunk_size, gy, g_state, False, reset)
+    y_r, fin_r, grads_r = _run(x, state, "pytorch", chunk_size, gy, g_state, True, reset)
     out = {
         "y": rel(y, y_r),
         "angle_state": angle_err(fin[0], fin_r[0]),
@@ -130,8 +129,10 @@ def errors(x, chunk_size=64, state=None, seed=7) -> dict[str, float]:
 
 
 def check(err: dict[str, float]) -> None:
+    # dstate0, the gradient of the carried angle, is the angles' reverse cumsum run to t = 0:
+    # an angle gradient, with its bound.
     bounds = {"y": Y_TOL, "angle_state": ANGLE_TOL, "ssm_state": STATE_TOL, "k_state": STATE_TOL,
-              "v_state": 0.0, "dangles": ANGLE_GRAD_TOL}  # fmt: skip
+              "v_state": 0.0, "dangles": ANGLE_GRAD_TOL, "dstate0": ANGLE_GRAD_TOL}  # fmt: skip
     bad = {k: v for k, v in err.items() if not v <= bounds.get(k, GRAD_TOL)}
     assert not bad, f"over bound: {bad}; all: {err}"
 
@@ -187,6 +188,42 @@ def test_split_sequence_with_carried_state_equals_whole(t, t1):
     assert angle_err(sb[0], st[0]) <= ANGLE_TOL
     for name, a, b in zip(("ssm", "k", "v"), sb[1:], st[1:], strict=True):
         assert rel(a, b) <= SPLIT_TOL, name
+
+
+def document_starts(b, t, positions, seed=5):
+    """A (b, t) reset mask: the given positions in row 0, random document starts (about one
+    per 300 tokens) in the other rows."""
+    reset = torch.zeros(b, t, dtype=torch.bool)
+    reset[0, list(positions)] = True
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    reset[1:] = torch.rand(b - 1, t, generator=gen) < 1 / 300
+    return reset.to(DEV)
+
+
+@pytest.mark.parametrize(
+    "t,g,chunk_size",
+    [pytest.param(100, 1, 64, id="T100-g1"), pytest.param(100, 4, 32, id="T100-gh-chunk32"),
+     pytest.param(2048, 1, 64, id="T2048-g1")],
+)  # fmt: skip
+def test_resets_match_reference(t, g, chunk_size):
+    """Resets on token 0 (with a carried state), on chunk boundaries of every kernel chunk,
+    inside chunks and twice in one chunk: outputs, states and gradients within the bounds."""
+    x = make_inputs(t=t, g=g)
+    reset = document_starts(2, t, (0, 16, 32, 45, 47, 64, t - 1))
+    check(errors(x, chunk_size=chunk_size, state=make_state(2, 4, 64, 64, 16), reset=reset))
+
+
+def test_packed_document_scans_as_if_alone():
+    """The second document of a packed window, with a reset at its start, gives the output of
+    scanning it alone within the bf16 bound (both Triton scans; the reset is inside a kernel
+    chunk)."""
+    t, t1 = 300, 117
+    x = make_inputs(t=t)
+    reset = torch.zeros(2, t, dtype=torch.bool, device=DEV)
+    reset[:, t1] = True
+    y = mamba3_siso(**x, reset=reset, backend="triton")
+    alone = mamba3_siso(**_slice(x, t1, t), backend="triton")
+    assert rel(y[:, t1:], alone) <= Y_TOL
 
 
 def test_strided_inputs_as_the_mixer_passes_them():
