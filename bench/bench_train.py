@@ -72,8 +72,9 @@ def categorise(name: str) -> str:
 
 
 def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: Path,
-               backend: str, dry_run: bool):  # fmt: skip
-    """The recipe with the benchmark's batch, compile and backend, on the prepared corpus."""
+               backend: str, dry_run: bool, resets: bool = True):  # fmt: skip
+    """The recipe with the benchmark's batch, compile and backend, on the prepared corpus, with
+    the scan state reset after every EOS (``data.reset_at_eos``) or not."""
     from runner.config import load_config
 
     overrides = [
@@ -85,6 +86,7 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
         f"data.val_path={data_dir / 'val'}",
         "eval.interval_steps=0",
         f"model.scan_backend={backend}",
+        f"data.reset_at_eos={'true' if resets else 'false'}",
     ]
     if dry_run:
         overrides += ["train.device=cpu", "train.precision=fp32"]
@@ -135,7 +137,7 @@ def bench_one(cfg, steps: int, warmup: int, profile: bool, peak: float | None) -
     tokens = trainer.tokens_per_step
     tps = tokens / dt
     result = {
-        "impl": "ours",
+        "impl": "ours" if cfg.data.reset_at_eos else "ours, no resets",
         "micro_batch": micro,
         "grad_accum": trainer.local_accum,
         "seq_len": cfg.data.seq_len,
@@ -186,7 +188,7 @@ def line(r: dict) -> str:
     )
     extra = f" | scan {r['scan_backend']}" if "scan_backend" in r else ""
     return (
-        f"{r['impl']:14} mb {r['micro_batch']:>2} × accum {r['grad_accum']} × seq {r['seq_len']} | "
+        f"{r['impl']:15} mb {r['micro_batch']:>2} × accum {r['grad_accum']} × seq {r['seq_len']} | "
         f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s | {mfu} | {mem} | step {r['step_s'] * 1e3:7.1f} ms"
         f" | first step {r['first_step_s']:6.1f} s | data wait {r['data_wait_ms_per_step']:.2f} "
         f"ms/step | compile {r['compile']}{extra}"
@@ -256,6 +258,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "pytorch"])
     ap.add_argument("--anchor", action="store_true", help="also the official-module LM")
+    ap.add_argument(
+        "--resets",
+        choices=("on", "off", "both"),
+        default="on",
+        help="ours with data.reset_at_eos on (the default), off, or both (the cost of resets)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -301,7 +309,8 @@ def main() -> None:
     for micro in micro_batches:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
         cfg = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run, data_dir,
-                         "pytorch" if a.dry_run else a.backend, a.dry_run)  # fmt: skip
+                         "pytorch" if a.dry_run else a.backend, a.dry_run,
+                         resets=a.resets != "off")  # fmt: skip
         # The anchor's import fails before minutes are spent on ours.
         make_mixer = anchor_factory(cfg, a.dry_run) if a.anchor else None
         r = bench_one(cfg, steps, a.warmup, a.profile, peak)
@@ -309,6 +318,15 @@ def main() -> None:
         print(line(r), flush=True)
         if "gpu_time_breakdown" in r:
             print("   GPU time:", json.dumps(r["gpu_time_breakdown"]))
+        if a.resets == "both":
+            cfg_off = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run,
+                                 data_dir, "pytorch" if a.dry_run else a.backend, a.dry_run,
+                                 resets=False)  # fmt: skip
+            r_off = bench_one(cfg_off, steps, a.warmup, a.profile, peak)
+            keep(r_off)
+            print(line(r_off), flush=True)
+            print(f"resets on / off at mb {micro}: step time "
+                  f"{r['step_s'] / r_off['step_s']:.3f}×", flush=True)  # fmt: skip
         if make_mixer is not None:
             impl = "stand-in" if a.dry_run else "official"
             o = run_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)

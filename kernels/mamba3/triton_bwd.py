@@ -83,13 +83,16 @@ if triton is not None:
     @triton.jit
     def _gate_grad(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
                    HAS_Z: tl.constexpr):  # fmt: skip
-        """do = dy ⊙ silu(z) (fp32) for the (BT × BV) tiles at row r0 of dy and z (pointers at
-        the tiles' first column, P columns from there), and the loaded fp32 dy and z."""
+        """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
+        columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
+        dy ⊙ silu'(z), which times the pre-gate output is dz (with z; else do twice)."""
         b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
         if HAS_Z:
             b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
-            return b_dy * b_z * sigmoid(b_z), b_dy, b_z
-        return b_dy, b_dy, b_dy
+            b_sg = sigmoid(b_z)
+            b_dysg = b_dy * b_sg
+            return b_dysg * b_z, b_dysg * (1.0 + b_z * (1.0 - b_sg))
+        return b_dy, b_dy
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_dstate_kernel(
@@ -153,7 +156,7 @@ if triton is not None:
             b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
             b_qc = _rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2), b_qb, b_cos, b_sin,
                                  DT, BT, BN2)  # fmt: skip
-            b_do, _, _ = _gate_grad(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
+            b_do, _ = _gate_grad(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
             b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
@@ -183,11 +186,6 @@ if triton is not None:
         m_a = m_t[:, None] & (o_m < S)[None, :]
         m_strict = o_t[:, None] > o_t[None, :]
         m_diag = o_t[:, None] == o_t[None, :]
-        m_low = m_strict
-        if HAS_RESET:  # the chunk's segments, the same for every head: see the forward
-            p_seg = seg + i_b.to(tl.int64) * NC * BT
-            m_in, m_out, _keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
-            m_low = m_strict & m_same
         o_qk = (i_b.to(tl.int64) * T * G + i_g) * N
         p_q = tile_ptr(q + o_qk, T, N, G * N, r0, BT, 2 * BN2)
         p_k = tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)
@@ -204,9 +202,13 @@ if triton is not None:
                                                           o_tc, m_t, o_t, BT)  # fmt: skip
             b_eA = tl.exp2(b_A2)
             b_eL = tl.exp2(b_AL2 - b_A2)
-            if HAS_RESET:
+            m_low = m_strict
+            if HAS_RESET:  # see the forward
+                p_seg = seg + i_b.to(tl.int64) * NC * BT
+                m_in, m_out, _keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
                 b_eA = tl.where(m_in, b_eA, 0.0)
                 b_eL = tl.where(m_out, b_eL, 0.0)
+                m_low = m_strict & m_same
             b_ew = b_eL * b_w
 
             b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
@@ -220,7 +222,7 @@ if triton is not None:
             b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
             b_kc = _rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
             p_z = z + i_b.to(tl.int64) * s_zb + i_h * s_zh
-            b_do, b_dy, b_z = _gate_grad(dy + o_p, p_z, H * P, s_zt, T, P, r0, BT, BP, HAS_Z)
+            b_do, b_gz = _gate_grad(dy + o_p, p_z, H * P, s_zt, T, P, r0, BT, BP, HAS_Z)
             b_doc = to_dot(b_do, DT)
 
             # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
@@ -260,9 +262,7 @@ if triton is not None:
                 b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
                 if HAS_D:
                     b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-                b_sg = sigmoid(b_z)
-                b_dz = b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg)) * b_o
-                store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_dz)
+                store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
 
             # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
             # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
