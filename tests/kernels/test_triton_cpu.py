@@ -20,40 +20,48 @@ from kernels.mamba3 import triton_report
 HERE = Path(__file__).resolve().parent
 
 
-def _interpret(*args: str, **env: str) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, str(HERE / "interpret_scan.py"), *args],
-        env=dict(os.environ, TRITON_INTERPRET="1", **env),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+# The interpreter runs (each a process: TRITON_INTERPRET must be set before Triton loads), by
+# name: (arguments, extra environment).
+RUNS = {
+    "fp32": ((), {}),
+    "bf16-1024": (("--bf16", "1024"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
+    "bf16-2048": (("--bf16", "2048"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
+}
 
 
-def test_kernels_in_the_interpreter_match_the_reference():
-    worst = _interpret()
-    bad = {k: v for k, v in worst.items() if not v <= 1e-5}
-    assert not bad, f"fp32 interpreter run over 1e-5: {bad}; all: {worst}"
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every interpreter run, started at once (they are single-threaded: on a 2-core machine the
+    three take the time of the longest, not their sum); maps a name to its process."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(HERE / "interpret_scan.py"), *args],
+            env=dict(os.environ, TRITON_INTERPRET="1", **env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (args, env) in RUNS.items()
+    }
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
-@pytest.mark.parametrize("t", [1024, 2048])
-def test_bf16_accuracy_at_long_sequences(t):
-    """Issue 14's accuracy bar, on the CPU: with every dot operand rounded to bf16 as on a GPU
-    (the emulation reproduced the H200's errors), every input gradient within 1e-2 of float64
-    and the angles' within 4e-2, at t = 1024 and 2048."""
-    worst = _interpret("--bf16", str(t), M3RUN_SCAN_EMULATE_BF16="1")
-    bounds = {"dangles": 4e-2}
-    bad = {k: v for k, v in worst.items() if not v <= bounds.get(k, 1e-2)}
-    assert not bad, f"over bound at t={t}: {bad}; all: {worst}"
+def _worst(procs: dict, name: str) -> dict[str, float]:
+    """The largest relative error per output and gradient that run ``name`` printed."""
+    out, err = procs[name].communicate(timeout=900)
+    assert procs[name].returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_every_launch_configuration_fits_the_architecture(arch):
+def test_every_launch_configuration_fits_the_architecture(interpreted, arch):
     """Offline compile (no GPU): the defaults and each table entry, at its shape, fit sm_80's and
-    sm_90's shared memory and registers; the spills are printed (pytest -s) for the record."""
+    sm_90's shared memory and registers; the spills are printed (pytest -s) for the record. (It
+    takes ``interpreted`` so that the interpreter runs go on beside the compiles.)"""
     errors = []
     for name, shape, plan in triton_report.table_plans():
         for rep in triton_report.report(arch, plan, **shape):
@@ -62,3 +70,20 @@ def test_every_launch_configuration_fits_the_architecture(arch):
             if err:
                 errors.append(f"{name}: {err}")
     assert not errors, errors
+
+
+def test_kernels_in_the_interpreter_match_the_reference(interpreted):
+    worst = _worst(interpreted, "fp32")
+    bad = {k: v for k, v in worst.items() if not v <= 1e-5}
+    assert not bad, f"fp32 interpreter run over 1e-5: {bad}; all: {worst}"
+
+
+@pytest.mark.parametrize("t", [1024, 2048])
+def test_bf16_accuracy_at_long_sequences(interpreted, t):
+    """The accuracy bar at long sequences, on the CPU: with every dot operand rounded to bf16 as
+    on a GPU (the emulation reproduced the H200's errors), every input gradient within 1e-2 of
+    float64 and the angles' within 4e-2, at t = 1024 and 2048."""
+    worst = _worst(interpreted, f"bf16-{t}")
+    bounds = {"dangles": 4e-2}
+    bad = {k: v for k, v in worst.items() if not v <= bounds.get(k, 1e-2)}
+    assert not bad, f"over bound at t={t}: {bad}; all: {worst}"
