@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) -m runner.demo
 
+# Two test processes: on a 2-core machine the suite takes ~8 minutes instead of ~11. A module's
+# tests stay in one process (--dist loadscope), so module-scoped runs are made once.
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadscope
 
 lint: install
 	$(VENV)/bin/ruff check .
