@@ -20,8 +20,9 @@ chunk-parallel kernel does all of them.
    gradient. The latter is chunk-local: ``adt`` enters only through the chunk's cumulative decay
    ``A`` (the carried state sees it through ``exp(A_L)``), so its gradient is a reverse cumsum
    over one chunk of ``∂L/∂A``, never a sequence-long sum. Then, still in registers, ``dq̄, dk̄``
-   are rotated back (``da = Rᵀ dā``) and summed over the block's heads (g = 1: all heads of the
-   group in one program, so no PyTorch head sum), with the per-chunk bias partial sums and the
+   are rotated back (``da = Rᵀ dā``) and summed over the block's heads (the launch plan's head
+   block: a group's heads in one program, or fewer with the blocks summed in PyTorch; on an
+   H200 one head per program is fastest), with the per-chunk bias partial sums and the
    per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k, rotated frame, with the very
    dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing of the rotated frame goes to
    memory.
