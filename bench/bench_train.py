@@ -306,11 +306,13 @@ def main() -> None:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps({"peak_flops": peak, "results": results}, indent=2))
 
+    compile_ = not a.no_compile and not a.dry_run
+    backend = "pytorch" if a.dry_run else a.backend
     for micro in micro_batches:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
-        cfg = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run, data_dir,
-                         "pytorch" if a.dry_run else a.backend, a.dry_run,
-                         resets=a.resets != "off")  # fmt: skip
+        cfg = run_config(
+            recipe, micro, accum, compile_, data_dir, backend, a.dry_run, resets=a.resets != "off"
+        )
         # The anchor's import fails before minutes are spent on ours.
         make_mixer = anchor_factory(cfg, a.dry_run) if a.anchor else None
         r = bench_one(cfg, steps, a.warmup, a.profile, peak)
@@ -319,9 +321,9 @@ def main() -> None:
         if "gpu_time_breakdown" in r:
             print("   GPU time:", json.dumps(r["gpu_time_breakdown"]))
         if a.resets == "both":
-            cfg_off = run_config(recipe, micro, accum, not a.no_compile and not a.dry_run,
-                                 data_dir, "pytorch" if a.dry_run else a.backend, a.dry_run,
-                                 resets=False)  # fmt: skip
+            cfg_off = run_config(
+                recipe, micro, accum, compile_, data_dir, backend, a.dry_run, resets=False
+            )
             r_off = bench_one(cfg_off, steps, a.warmup, a.profile, peak)
             keep(r_off)
             print(line(r_off), flush=True)
