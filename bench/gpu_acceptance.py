@@ -231,16 +231,7 @@ def main() -> int:
     try:
         # -- 1. launch, first step
         launch = sv.Launch(config, run_dir, sets, env, work / "launch1.log")
-        first = sv.wait_for(
-            "the first step",
-            lambda: sv.started_worker(run_dir, launch.t0 - 1),
-            launch,
-            deadline,
-            on_poll=beats.poll,
-        )
-        rows = sv.launch_rows(
-            run_dir, launch.t0, first, sv.steady_step(run_dir, first, launch, deadline, beats.poll)
-        )
+        _, rows = sv.launch_to_first_step(launch, "the first step", deadline, beats.poll)
         report["measurements"].append({"title": "launch to first step", "rows": rows})
         check("launch trained", True, f"first step {rows[-1]['s']:.1f} s after `m3run launch`")
 
@@ -322,15 +313,8 @@ def main() -> int:
         server.clear()
         snapshots["after the preemption"] = after_notice
         launch = sv.Launch(config, run_dir, sets, env, work / "launch2.log")
-        again = sv.wait_for(
-            "the relaunch's first step",
-            lambda: sv.started_worker(run_dir, launch.t0 - 1),
-            launch,
-            deadline,
-            on_poll=beats.poll,
-        )
-        rows = sv.launch_rows(
-            run_dir, launch.t0, again, sv.steady_step(run_dir, again, launch, deadline, beats.poll)
+        again, rows = sv.launch_to_first_step(
+            launch, "the relaunch's first step", deadline, beats.poll
         )
         report["measurements"].append({"title": "relaunch to first step", "rows": rows})
         check(

@@ -105,15 +105,7 @@ def main() -> int:
     launch = sv.Launch(config, run_dir, sets, sv.child_env(**caches), work / "launch.log")
     code = 0
     try:
-        first = sv.wait_for(
-            "the first worker's first step",
-            lambda: sv.started_worker(run_dir, launch.t0 - 1),
-            launch,
-            deadline,
-        )
-        rows = sv.launch_rows(
-            run_dir, launch.t0, first, sv.steady_step(run_dir, first, launch, deadline)
-        )
+        first, rows = sv.launch_to_first_step(launch, "the first worker's first step", deadline)
         measured("launch to first step", rows, caches="as given" if a.caches else "empty")
         loaded = first.get("resumed_from")
         for kind in a.restarts:

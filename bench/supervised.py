@@ -358,6 +358,19 @@ def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | N
     return rows
 
 
+def launch_to_first_step(
+    launch: Launch, what: str, deadline: float, on_poll: Callable[[], None] | None = None
+) -> tuple[dict, list[dict]]:
+    """Wait for `launch`'s first worker to complete its first step and STEADY_STEPS more; its
+    startup record and the rows of `launch_rows`."""
+    run_dir = launch.run_dir
+    start = wait_for(
+        what, lambda: started_worker(run_dir, launch.t0 - 1), launch, deadline, on_poll=on_poll
+    )
+    steady_s = steady_step(run_dir, start, launch, deadline, on_poll)
+    return start, launch_rows(run_dir, launch.t0, start, steady_s)
+
+
 def restart_rows(run_dir: Path, t_kill: float, start: dict, steady_s: float | None) -> list[dict]:
     """A worker SIGKILLed at t_kill to the first completed step of the one restarted after it."""
     exited = first_event(run_dir, "worker_exit", t_kill)
