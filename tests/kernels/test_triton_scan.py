@@ -190,7 +190,7 @@ def test_split_sequence_with_carried_state_equals_whole(t, t1):
         assert rel(a, b) <= SPLIT_TOL, name
 
 
-def document_starts(b, t, positions, seed=5):
+def reset_mask(b, t, positions, seed=5):
     """A (b, t) reset mask: the given positions in row 0, random document starts (about one
     per 300 tokens) in the other rows."""
     reset = torch.zeros(b, t, dtype=torch.bool)
@@ -209,7 +209,7 @@ def test_resets_match_reference(t, g, chunk_size):
     """Resets on token 0 (with a carried state), on chunk boundaries of every kernel chunk,
     inside chunks and twice in one chunk: outputs, states and gradients within the bounds."""
     x = make_inputs(t=t, g=g)
-    reset = document_starts(2, t, (0, 16, 32, 45, 47, 64, t - 1))
+    reset = reset_mask(2, t, (0, 16, 32, 45, 47, 64, t - 1))
     check(errors(x, chunk_size=chunk_size, state=make_state(2, 4, 64, 64, 16), reset=reset))
 
 
