@@ -67,7 +67,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         reason = triton_unavailable_reason(device)
         chosen = "pytorch" if reason is not None else "triton"
         key = f"{device.type}:{chosen}"
-        if key not in _auto_logged:
+        # Logged from eager calls only: under torch.compile a logging call would break the graph
+        # and the set's change would fail the guards of the next layer's compiled code.
+        if not torch.compiler.is_compiling() and key not in _auto_logged:
             _auto_logged.add(key)
             why = f" ({reason})" if reason else ""
             log.info("mamba3 scan backend auto -> %s on %s%s", chosen, device.type, why)
