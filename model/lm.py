@@ -128,8 +128,10 @@ class Mamba3LM(nn.Module):
                 )
             reset = document_starts(idx, eos_id)
         h = self.hidden_states(idx, reset)
-        if targets is not None:
-            return linear_cross_entropy(h, self.head_weight, targets)
+        if targets is not None:  # the padded embedding: aligned matmuls, padding rows no class
+            return linear_cross_entropy(
+                h, self.embedding.weight, targets, n_classes=self.config.vocab_size
+            )
         return F.linear(h, self.head_weight.to(h.dtype))
 
     # -- decoding ---------------------------------------------------------------------------

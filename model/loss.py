@@ -18,8 +18,10 @@ IGNORE_INDEX = -100
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int):
-        # hidden (n, d) in the compute dtype, weight (v, d) master (fp32), targets (n,) int64
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
+                n_classes: int):  # fmt: skip
+        # hidden (n, d) in the compute dtype, weight (v, d) master (fp32), targets (n,) int64;
+        # rows n_classes.. of weight are padding: their logits are -inf, so their gradient is 0.
         n = hidden.shape[0]
         valid = targets != IGNORE_INDEX
         n_valid = valid.sum()
@@ -37,6 +39,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             ok = tgt != IGNORE_INDEX
             safe_tgt = torch.where(ok, tgt, 0)
             logits = (h @ w.t()).to(acc)  # (c, v): the only fp32 logits ever alive
+            if n_classes < logits.shape[1]:
+                logits[:, n_classes:] = float("-inf")
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe_tgt[:, None]).squeeze(1)
             loss_sum += torch.where(ok, lse - picked, 0.0).sum()
@@ -58,22 +62,34 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 4096
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk_tokens: int = 4096,
+    n_classes: int | None = None,
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (ignore_index -100).
 
-    ``hidden`` (..., d), ``weight`` (vocab, d), ``targets`` (...). The matmuls run in hidden's
-    dtype (bf16 under autocast), the softmax in fp32.
+    ``hidden`` (..., d), ``weight`` (rows, d), ``targets`` (...). The matmuls run in hidden's
+    dtype (bf16 under autocast), the softmax in fp32. With ``n_classes`` < rows, the rows from
+    ``n_classes`` on are padding and no class: pass the padded embedding of a tied head, whose
+    row count (a multiple of 64) keeps the logits' rows aligned. cuBLAS runs a 50,257-wide
+    GPT-2 head on its unaligned fallback kernels, several times slower.
     """
+    n_classes = weight.shape[0] if n_classes is None else n_classes
+    if not 1 <= n_classes <= weight.shape[0]:
+        raise ValueError(
+            f"n_classes must be in 1..{weight.shape[0]} (weight rows), got {n_classes}"
+        )
     d = hidden.shape[-1]
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     with torch.autocast(hidden.device.type, enabled=False):
         out = LinearCrossEntropy.apply(
-            hidden.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens
+            hidden.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, n_classes
         )
     return out.to(weight.dtype)

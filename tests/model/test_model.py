@@ -137,6 +137,26 @@ def test_loss_is_mean_cross_entropy_with_ignore_index_and_exact_grads():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_padding_rows_of_the_head_are_no_class_and_get_no_gradient():
+    """The padded head (rows from n_classes on) gives the loss and gradients of the unpadded
+    one, and its padding rows a zero gradient."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 7, 16, dtype=F64, requires_grad=True)
+    weight = torch.randn(64, 16, dtype=F64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 7))
+    targets[1, 2] = -100
+    padded = linear_cross_entropy(hidden, weight, targets, chunk_tokens=4, n_classes=50)
+    plain = linear_cross_entropy(hidden, weight[:50], targets, chunk_tokens=4)
+    torch.testing.assert_close(padded, plain, rtol=1e-12, atol=1e-12)
+    gh_p, gw_p = torch.autograd.grad(padded, (hidden, weight))
+    gh, gw = torch.autograd.grad(plain, (hidden, weight))
+    torch.testing.assert_close(gh_p, gh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw_p, gw, rtol=1e-12, atol=1e-12)  # gw's rows 50.. are 0 too
+    assert not gw_p[50:].any()
+    with pytest.raises(ValueError, match=r"n_classes must be in 1\.\.64 \(weight rows\), got 65"):
+        linear_cross_entropy(hidden, weight, targets, n_classes=65)
+
+
 def test_model_loss_matches_materialised_logits():
     torch.manual_seed(0)
     cfg = tiny()
