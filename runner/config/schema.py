@@ -1,29 +1,49 @@
 """The run configuration's schema: one typed, validated section per part of a run (train,
-data, checkpoint, eval, log, supervisor, distributed) and the whole `RunConfig`. Every field
-says what it is; validation lives here. Torch-free: the supervisor and the light CLI commands
-import it."""
+data, checkpoint, eval, log; the supervisor and distributed sections are in `runtime`) and the
+whole `RunConfig`. Every field says what it is; validation lives here. Torch-free: the
+supervisor and the light CLI commands import it."""
 
 from __future__ import annotations
 
-import difflib
 import math
-import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
 )
 
 from model.config import PRESETS, ModelConfig
+from runner.config.base import (
+    ConfigError,
+    _Section,
+    check_preset_name,
+    did_you_mean,
+    show_value,
+)
+from runner.config.runtime import DistributedConfig, SupervisorConfig
+
+__all__ = [
+    "COMPILE_MODES",
+    "MIRROR_SCHEMES",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DataSourceConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "LogConfig",
+    "RunConfig",
+    "SupervisorConfig",
+    "TrainConfig",
+    "did_you_mean",
+    "show_value",
+]
 
 # torch.compile's documented modes; a typo here would otherwise surface only after the
 # worker's (possibly long) startup.
@@ -31,31 +51,6 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 # fsspec protocols a checkpoint mirror may use (s3fs / gcsfs provide the remote ones).
 MIRROR_SCHEMES = ("s3", "gs", "gcs", "file")
-
-
-class ConfigError(ValueError):
-    """A bad run configuration. The message is for the user: it names the key, value and fix."""
-
-
-class _Section(BaseModel):
-    # frozen: a validated config is a record (its hash stays true); use apply_overrides or
-    # model_copy(update=...) to derive another. allow_inf_nan=False: `lr: .inf` is a typo.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic reads True as 1 for a number field, and YAML reads yes/no/on/off as
-        # booleans: `micro_batch_size: yes` must not become 1.
-        if isinstance(value, bool):
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = get_args(annotation) or (annotation,)
-            if bool not in kinds and any(k in (int, float) for k in kinds):
-                raise ValueError(
-                    f"must be a number, got the boolean {value!r} (YAML reads yes/no/on/off "
-                    "as booleans): write a number"
-                )
-        return value
 
 
 class TrainConfig(_Section):
@@ -339,141 +334,6 @@ class LogConfig(_Section):
     )
 
 
-class SupervisorConfig(_Section):
-    """How the supervisor watches, restarts and stops the worker."""
-
-    max_restarts: int = Field(
-        10, ge=0, description="Worker restarts allowed within restart_window_s before giving up."
-    )
-    restart_window_s: float = Field(
-        3600.0, gt=0, description="Sliding window (seconds) over which max_restarts is counted."
-    )
-    no_progress_restarts: int = Field(
-        3,
-        ge=1,
-        description="Consecutive restarts without a new checkpoint before giving up (exit 70).",
-    )
-    backoff_initial_s: float = Field(
-        2.0, gt=0, description="Delay before the first restart; doubles on each further one."
-    )
-    backoff_max_s: float = Field(300.0, gt=0, description="Upper bound of the restart delay.")
-    startup_timeout_s: float = Field(
-        900.0,
-        gt=0,
-        description="Seconds a new worker may take to its first heartbeat (covers compilation).",
-    )
-    heartbeat_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description=(
-            "A heartbeat older than this (seconds) means a hung worker; null = calibrated as "
-            "heartbeat_safety_factor × the observed step time."
-        ),
-    )
-    heartbeat_safety_factor: float = Field(
-        5.0, ge=1, description="Multiplier of the observed step time for the calibrated timeout."
-    )
-    stop_grace_s: float = Field(
-        120.0,
-        gt=0,
-        description=(
-            "Seconds between SIGTERM to the worker (save and exit) and SIGKILL. Set Docker "
-            "--stop-timeout / Kubernetes terminationGracePeriodSeconds above it."
-        ),
-    )
-    nan_lr_factor: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description=(
-            "After a worker exit 76 (NaN) the supervisor restarts it at this times the learning "
-            "rate the failing worker ran at (compounding over repeated exits)."
-        ),
-    )
-    preemption_provider: Literal["auto", "none", "aws", "gcp", "azure"] = Field(
-        "auto",
-        description="Cloud whose preemption notices are polled; auto detects it, none disables.",
-    )
-    preemption_poll_s: float = Field(
-        5.0, gt=0, description="Seconds between preemption-notice polls."
-    )
-    metadata_url: str | None = Field(
-        None,
-        description="Override of the provider's metadata endpoint base URL (tests, proxies).",
-    )
-    smoke: bool = Field(
-        True, description="Run the preflight smoke test (a few real steps) before the first launch."
-    )
-    vram_warn_fraction: float = Field(
-        0.95, gt=0, le=1, description="Warn when used GPU memory exceeds this fraction of total."
-    )
-
-    @field_validator("metadata_url")
-    @classmethod
-    def _http_url(cls, url: str | None) -> str | None:
-        if url is not None and not re.match(r"https?://[^/\s]+", url):
-            raise ValueError(
-                f"supervisor.metadata_url must be an http(s) URL, got {url!r} "
-                "(fix: write it like http://169.254.169.254, or null for the provider default)"
-            )
-        return url
-
-    @model_validator(mode="after")
-    def _backoff_order(self) -> SupervisorConfig:
-        if self.backoff_initial_s > self.backoff_max_s:
-            raise ValueError(
-                f"supervisor.backoff_initial_s ({self.backoff_initial_s}) must be ≤ "
-                f"supervisor.backoff_max_s ({self.backoff_max_s}) "
-                "(fix: lower backoff_initial_s or raise backoff_max_s)"
-            )
-        return self
-
-
-class DistributedConfig(_Section):
-    """More than one worker process: the supervisor launches the worker through torchrun."""
-
-    nproc_per_node: int = Field(
-        1, ge=1, description="Worker processes on this host (one per GPU); 1 = no torchrun."
-    )
-    nnodes: int = Field(1, ge=1, description="Hosts in the job (each runs its own supervisor).")
-    node_rank: int = Field(0, ge=0, description="This host's rank, 0 … nnodes-1.")
-    rdzv_endpoint: str | None = Field(
-        None,
-        description="host:port of the c10d rendezvous (node 0); required when nnodes > 1.",
-    )
-    rdzv_id: str | None = Field(
-        None, description="Job id shared by all hosts of a job (default: the run dir's name)."
-    )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
-    )
-    timeout_s: float = Field(
-        600.0, gt=0, description="Collective timeout; a rank that stalls longer is an error."
-    )
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
-
-    @model_validator(mode="after")
-    def _check_multinode(self) -> DistributedConfig:
-        if self.node_rank >= self.nnodes:
-            raise ValueError(
-                f"distributed.node_rank must be < distributed.nnodes = {self.nnodes}, got "
-                f"{self.node_rank} (fix: number hosts 0 … nnodes-1)"
-            )
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError(
-                f"distributed.rdzv_endpoint is required when distributed.nnodes = {self.nnodes} "
-                "(fix: set it to node 0's host:port, e.g. 10.0.0.1:29500)"
-            )
-        if self.rdzv_endpoint is not None and not re.fullmatch(r"[^\s:]+:\d+", self.rdzv_endpoint):
-            raise ValueError(
-                f"distributed.rdzv_endpoint must be host:port, got {self.rdzv_endpoint!r}"
-            )
-        return self
-
-
 class RunConfig(_Section):
     """Everything one run needs; its resolved form is frozen into runs/<name>/config.yaml."""
 
@@ -592,34 +452,3 @@ class RunConfig(_Section):
                 "only the final step is ever saved, so a stop or crash loses the whole run"
             )
         return out
-
-
-def did_you_mean(word: str, choices: Sequence[str], prefix: str = "") -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    if not close:
-        return ""
-    return f" — did you mean {prefix + '.' if prefix else ''}{close[0]}?"
-
-
-def check_preset_name(preset: Any) -> None:
-    if not isinstance(preset, str) or preset not in PRESETS:
-        names = sorted(PRESETS)
-        hint = did_you_mean(str(preset), names)
-        raise ValueError(
-            f"model.preset: unknown preset {show_value(preset)}{hint} "
-            f"(fix: use one of {', '.join(names)}, or give the model fields explicitly)"
-        )
-
-
-def show_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return str(value)
