@@ -61,6 +61,7 @@ class Mamba3LM(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.activation_checkpointing = False
+        self.loss_fn = linear_cross_entropy
         self.reset_parameters()
 
     @torch.no_grad()
@@ -93,6 +94,16 @@ class Mamba3LM(nn.Module):
     def head_weight(self) -> Tensor:
         """The tied LM head: the embedding rows of real tokens (padding rows never get logits)."""
         return self.embedding.weight[: self.config.vocab_size]
+
+    def compile_blocks(self, **compile_kwargs) -> None:
+        """torch.compile each block in place (regional compilation). The blocks share one
+        forward and differ only in their parameters, which the compiled graph takes as inputs,
+        so the first block's graph serves every layer: a cold start traces and compiles one
+        block, not the stack. The loss is compiled too (its softmax fused); the embedding and
+        the final norm stay eager."""
+        for block in self.layers:
+            block.compile(**compile_kwargs)
+        self.loss_fn = torch.compile(linear_cross_entropy, **compile_kwargs)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -129,9 +140,7 @@ class Mamba3LM(nn.Module):
             reset = document_starts(idx, eos_id)
         h = self.hidden_states(idx, reset)
         if targets is not None:  # the padded embedding: aligned matmuls, padding rows no class
-            return linear_cross_entropy(
-                h, self.embedding.weight, targets, n_classes=self.config.vocab_size
-            )
+            return self.loss_fn(h, self.embedding.weight, targets, n_classes=self.config.vocab_size)
         return F.linear(h, self.head_weight.to(h.dtype))
 
     # -- decoding ---------------------------------------------------------------------------

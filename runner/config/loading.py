@@ -79,7 +79,7 @@ def config_hash(cfg: RunConfig) -> str:
     dump = cfg.model_dump(mode="json")
     for key, value in LEGACY_VALUES.items():
         section, name = key.split(".")
-        if dump[section][name] is value:
+        if _same(dump[section][name], value):
             del dump[section][name]
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
@@ -89,11 +89,20 @@ def config_hash(cfg: RunConfig) -> str:
 # Keys added after runs were frozen
 
 # Keys the schema gained after runs were made, each with the value that keeps such a run's
-# behaviour (a new run's default may differ: data.reset_at_eos is on for new runs). A run dir's
-# config.yaml is the resolved dump of every key, so one that lacks a key here was frozen before
-# the key existed: `load_frozen_config` reads it at this value, `keep_legacy_values` keeps it
-# on a relaunch that leaves the key unset, and `config_hash` leaves the key out at this value.
-LEGACY_VALUES: dict[str, bool] = {"data.reset_at_eos": False}
+# behaviour (a new run's default may differ: data.reset_at_eos is on for new runs, and
+# train.compile_scope compiles blocks, not the whole model). A run dir's config.yaml is the
+# resolved dump of every key, so one that lacks a key here was frozen before the key existed:
+# `load_frozen_config` reads it at this value, `keep_legacy_values` keeps it on a relaunch that
+# leaves the key unset, and `config_hash` leaves the key out at this value.
+LEGACY_VALUES: dict[str, bool | str] = {
+    "data.reset_at_eos": False,
+    "train.compile_scope": "model",
+}
+
+
+def _same(value, legacy: bool | str) -> bool:
+    """A config value equals a legacy one, type and all (True is not 1)."""
+    return type(value) is type(legacy) and value == legacy
 
 
 def load_frozen_config(path: str | Path) -> RunConfig:
@@ -118,7 +127,7 @@ def keep_legacy_values(cfg: RunConfig, frozen: RunConfig) -> RunConfig:
     for key, value in LEGACY_VALUES.items():
         section, name = key.split(".")
         unset = name not in getattr(cfg, section).model_fields_set
-        if unset and getattr(getattr(frozen, section), name) is value:
+        if unset and _same(getattr(getattr(frozen, section), name), value):
             kept.append(f"{key}={json.dumps(value)}")
     return apply_overrides(cfg, kept) if kept else cfg
 

@@ -112,6 +112,14 @@ class TrainConfig(_Section):
         "auto", description="Where to train; auto = cuda when a CUDA device is visible, else cpu."
     )
     compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    compile_scope: Literal["blocks", "model"] = Field(
+        "blocks",
+        description=(
+            "What torch.compile compiles: blocks = each residual block alone, one compiled "
+            "graph that every layer reuses (a cold start compiles one layer, not the stack; "
+            "embedding, final norm and loss run eager); model = the whole model as one graph."
+        ),
+    )
     compile_mode: str | None = Field(
         None,
         description=(

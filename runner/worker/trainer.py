@@ -177,7 +177,10 @@ class Trainer:
         self.step_model = self.ddp_model
         if t.compile:
             mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
-            self.step_model = torch.compile(self.ddp_model, mode=mode)
+            if t.compile_scope == "model":
+                self.step_model = torch.compile(self.ddp_model, mode=mode)
+            else:  # the blocks compiled in place; DDP's hooks stay eager around them
+                self.model.compile_blocks(mode=mode)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
         marks["setup_end"] = time.time()

@@ -415,31 +415,48 @@ def test_reset_at_eos_is_on_for_new_runs_and_in_the_hash():
     assert config_hash(apply_overrides(cfg, ["data.reset_at_eos=false"])) != config_hash(cfg)
 
 
-def _frozen_before_reset_at_eos(run_dir: Path) -> str:
-    """Turn RUN_DIR/config.yaml into one frozen before data.reset_at_eos existed; its text."""
+def test_compile_scope_is_blocks_for_new_runs_and_in_the_hash():
+    cfg = parse_config(MINIMAL)
+    assert cfg.train.compile_scope == "blocks"
+    assert config_hash(apply_overrides(cfg, ["train.compile_scope=model"])) != config_hash(cfg)
+    with pytest.raises(ConfigError, match=r"train\.compile_scope"):
+        apply_overrides(cfg, ["train.compile_scope=layers"])
+
+
+# The keys each added after runs were frozen, with the value such a run reads and its new default.
+LEGACY = [("data", "reset_at_eos", False, True), ("train", "compile_scope", "model", "blocks")]
+
+
+def _frozen_before_new_keys(run_dir: Path) -> str:
+    """Turn RUN_DIR/config.yaml into one frozen before any LEGACY key existed; its text."""
     path = run_dir / "config.yaml"
     lines = path.read_text().splitlines(keepends=True)
-    old = "".join(line for line in lines if "reset_at_eos" not in line)
-    assert old != "".join(lines)
+    names = tuple(f"{name}:" for _, name, _, _ in LEGACY)
+    old = "".join(line for line in lines if not line.strip().startswith(names))
+    assert len(old.splitlines()) == len(lines) - len(LEGACY)
     path.write_text(old)
     return old
 
 
-def test_a_run_frozen_before_reset_at_eos_reads_it_off_with_its_old_hash(tmp_path):
+def test_a_run_frozen_before_the_new_keys_reads_their_old_values_with_its_old_hash(tmp_path):
     (tmp_path / "config.yaml").write_text(load_config(DEMO).to_yaml())
-    _frozen_before_reset_at_eos(tmp_path)
+    _frozen_before_new_keys(tmp_path)
     old = load_frozen_config(tmp_path / "config.yaml")
-    assert old.data.reset_at_eos is False
-    assert load_config(tmp_path / "config.yaml").data.reset_at_eos is True  # read as a recipe
-    # Its hash is the one computed before the key existed: over the dump without it.
+    as_recipe = load_config(tmp_path / "config.yaml")
     dump = old.model_dump(mode="json")
-    del dump["data"]["reset_at_eos"]
+    for section, name, legacy, new in LEGACY:
+        assert getattr(getattr(old, section), name) == legacy
+        assert getattr(getattr(as_recipe, section), name) == new
+        del dump[section][name]
+    # Its hash is the one computed before the keys existed: over the dump without them.
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert config_hash(old) == hashlib.sha256(canonical.encode()).hexdigest()
-    # A recipe that leaves the key unset keeps it off; one that sets it is a change.
-    assert keep_legacy_values(load_config(DEMO), old).data.reset_at_eos is False
-    on = load_config(DEMO, ["data.reset_at_eos=true"])
-    assert keep_legacy_values(on, old).data.reset_at_eos is True
+    # A recipe that leaves a key unset keeps the old value; one that sets it is a change.
+    kept = keep_legacy_values(load_config(DEMO), old)
+    assert (kept.data.reset_at_eos, kept.train.compile_scope) == (False, "model")
+    on = load_config(DEMO, ["data.reset_at_eos=true", "train.compile_scope=blocks"])
+    kept = keep_legacy_values(on, old)
+    assert (kept.data.reset_at_eos, kept.train.compile_scope) == (True, "blocks")
 
 
 def test_relaunching_a_run_frozen_before_reset_at_eos_is_no_config_change(tmp_path):
@@ -447,7 +464,7 @@ def test_relaunching_a_run_frozen_before_reset_at_eos_is_no_config_change(tmp_pa
     run_dir.mkdir()
     opts = LaunchOptions(config=DEMO, run_dir=run_dir)
     freeze_config(opts)
-    _frozen_before_reset_at_eos(run_dir)
+    _frozen_before_new_keys(run_dir)
     old_hash = config_hash(load_frozen_config(run_dir / "config.yaml"))
     for _ in range(2):  # the first relaunch writes the key (false); the second reads it
         cfg, chash = freeze_config(opts)
