@@ -77,9 +77,13 @@ def resolve_scan_backend(cfg: RunConfig, device: torch.device) -> str:
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
-    """A freshly initialised model on `device`, seeded by train.seed."""
+    """A freshly initialised model on `device`, seeded by train.seed. Built and initialised
+    there: the 434m model's init takes seconds on the CPU (and again on every restart, before a
+    checkpoint overwrites it) against a fraction of a second on a GPU. The init values depend
+    on the device's generator, so a CPU and a GPU run of one seed start from different weights."""
     torch.manual_seed(cfg.train.seed)
-    return Mamba3LM(cfg.model).to(device)
+    with torch.device(device):
+        return Mamba3LM(cfg.model)
 
 
 def build_optimizer(
