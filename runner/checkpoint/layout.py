@@ -41,6 +41,12 @@ DATA_FILES = (MODEL_FILE, OPTIM_FILE)
 # Written by a worker into a checkpoint whose hashes match but which cannot be loaded (a
 # foreign optim.pt structure, a refused unpickle): discovery then reports it as unusable.
 UNUSABLE_FILE = "unusable.json"
+# Written after a full hash check passed (first by the supervisor, which hashes every new
+# checkpoint as it appears): each data file's sha256 with the file's identity then (size, mtime,
+# inode, device). A worker resuming after a restart trusts it while every identity still
+# matches, instead of hashing the ~5 GB of a 434m checkpoint a second time. Nothing else does:
+# `m3run checkpoints` and the mirror hash for themselves.
+VERIFIED_FILE = "verified.json"
 TMP_PREFIX = ".tmp-"
 DEL_PREFIX = ".del-"
 # Keys save_checkpoint writes itself; a caller passing them would be silently overwritten.
@@ -161,7 +167,51 @@ def _check_meta(path: Path, meta: dict) -> str | None:
     return None
 
 
-def read_and_verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+def _trusted_files(path: Path, meta: dict) -> set[str]:
+    """The data files whose VERIFIED_FILE record matches meta.json's digest and the file as it
+    is now."""
+    record = read_json(path / VERIFIED_FILE)
+    files = record.get("files") if record else None
+    if not isinstance(files, dict):
+        return set()
+    trusted = set()
+    for name in DATA_FILES:
+        rec = files.get(name)
+        if not isinstance(rec, dict) or rec.get("sha256") != meta["files"][name]["sha256"]:
+            continue
+        try:
+            if rec.get("identity") == _identity((path / name).stat()):
+                trusted.add(name)
+        except OSError:
+            continue
+    return trusted
+
+
+def _record_verified(path: Path, meta: dict, hashed: dict[str, list[int]]) -> None:
+    """Write VERIFIED_FILE after every data file checked out: those `hashed` just now (with
+    their identity before hashing: none may have changed since) and the others by their
+    record. A cache: a read-only run dir or a checkpoint removed meanwhile only means none."""
+    try:
+        now = {n: _identity((path / n).stat()) for n in DATA_FILES}
+        if any(now[n] != ident for n, ident in hashed.items()):
+            return
+        files = {n: {"sha256": meta["files"][n]["sha256"], "identity": now[n]}
+                 for n in DATA_FILES}  # fmt: skip
+        atomic_write_json(path / VERIFIED_FILE, {"files": files, "time": time.time()})
+    except OSError as e:
+        log.debug("no %s for %s: %s", VERIFIED_FILE, path, e)
+
+
+def read_and_verify(
+    path: Path, full: bool, trust_verified: bool = False, record_verified: bool = False
+) -> tuple[dict | None, str | None]:
+    """(meta, reason): reason None when complete. `full` hashes the data files; with
+    `trust_verified` a file that VERIFIED_FILE vouches for is not hashed again, and with
+    `record_verified` a hash check that passed is written there."""
     if not path.is_dir():
         return None, "not a directory" if path.exists() else "does not exist"
     meta, reason = _read_meta(path)
@@ -173,16 +223,19 @@ def read_and_verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
     reason = _check_meta(path, meta)
     if reason is not None:
         return meta, reason
+    trusted = _trusted_files(path, meta) if full and trust_verified else set()
+    hashed: dict[str, list[int]] = {}
     for name in DATA_FILES:
         rec = meta["files"][name]
         fpath = path / name
         try:
-            size = fpath.stat().st_size
+            st = fpath.stat()
         except FileNotFoundError:
             return meta, f"{name} missing"
-        if size != rec["bytes"]:
-            return meta, f"{name} is {size} bytes, {META_FILE} records {rec['bytes']}"
-        if full:
+        if st.st_size != rec["bytes"]:
+            return meta, f"{name} is {st.st_size} bytes, {META_FILE} records {rec['bytes']}"
+        if full and name not in trusted:
+            hashed[name] = _identity(st)
             try:
                 digest = sha256_file(fpath)
             except FileNotFoundError:  # removed by retention while being read
@@ -192,6 +245,8 @@ def read_and_verify(path: Path, full: bool) -> tuple[dict | None, str | None]:
                     f"sha256 mismatch in {name} (recorded {rec['sha256'][:12]}…, "
                     f"found {digest[:12]}…)"
                 )
+    if hashed and record_verified:
+        _record_verified(path, meta, hashed)
     return meta, None
 
 
@@ -201,10 +256,17 @@ def mark_unusable(path: Path, reason: str) -> None:
     atomic_write_json(path / UNUSABLE_FILE, {"reason": reason, "time": time.time()}, fsync=True)
 
 
-def verify_checkpoint(path: str | os.PathLike, full: bool = True) -> tuple[bool, str | None]:
+def verify_checkpoint(
+    path: str | os.PathLike,
+    full: bool = True,
+    trust_verified: bool = False,
+    record_verified: bool = False,
+) -> tuple[bool, str | None]:
     """(complete, reason). `full=False` checks meta.json and the file sizes only (no hashing);
-    `full=True` also checks both sha256 digests. Never imports torch."""
-    _, reason = read_and_verify(Path(path), full)
+    `full=True` also checks both sha256 digests. The run's own processes keep VERIFIED_FILE:
+    the supervisor records each check that passed (`record_verified`), a resuming worker skips
+    the files it vouches for (`trust_verified`). Never imports torch."""
+    _, reason = read_and_verify(Path(path), full, trust_verified, record_verified)
     return reason is None, reason
 
 
@@ -234,8 +296,9 @@ def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _info(step: int, path: Path, full: bool) -> CheckpointInfo:
-    meta, reason = read_and_verify(path, full)
+def _info(step: int, path: Path, full: bool, trust_verified: bool = False) -> CheckpointInfo:
+    # A worker's trust goes with its record: what it had to hash, it records for its restart.
+    meta, reason = read_and_verify(path, full, trust_verified, record_verified=trust_verified)
     return CheckpointInfo(step=step, path=path, complete=reason is None, reason=reason, meta=meta)
 
 
@@ -248,14 +311,14 @@ def list_checkpoints(run_dir: str | os.PathLike, verify: bool = True) -> list[Ch
 
 
 def latest_complete(
-    run_dir: str | os.PathLike, before_step: int | None = None
+    run_dir: str | os.PathLike, before_step: int | None = None, trust_verified: bool = False
 ) -> CheckpointInfo | None:
     """The newest fully verified checkpoint (with step < before_step if given), or None. Hashes
-    newest first and stops at the first complete one."""
+    newest first and stops at the first complete one (`trust_verified`: see verify_checkpoint)."""
     for step, path in reversed(_step_dirs(run_dir)):
         if before_step is not None and step >= before_step:
             continue
-        info = _info(step, path, full=True)
+        info = _info(step, path, full=True, trust_verified=trust_verified)
         if info.complete:
             return info
         log.warning("skipping incomplete checkpoint %s: %s", path, info.reason)
@@ -268,8 +331,11 @@ def _complete_steps_text(run_dir: str | os.PathLike) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def find_step(run_dir: str | os.PathLike, step: int) -> CheckpointInfo:
-    """The fully verified checkpoint for `step`; CheckpointError if it is missing or incomplete."""
+def find_step(
+    run_dir: str | os.PathLike, step: int, trust_verified: bool = False
+) -> CheckpointInfo:
+    """The fully verified checkpoint for `step` (`trust_verified`: see verify_checkpoint);
+    CheckpointError if it is missing or incomplete."""
     path = checkpoint_dir(run_dir, step)
     root = _checkpoints_root(run_dir)
     if not path.is_dir():
@@ -278,7 +344,7 @@ def find_step(run_dir: str | os.PathLike, step: int) -> CheckpointInfo:
             f"{_complete_steps_text(run_dir)}. Resume from one of these, or omit the step to "
             "resume from the latest complete one"
         )
-    info = _info(step, path, full=True)
+    info = _info(step, path, full=True, trust_verified=trust_verified)
     if not info.complete:
         raise CheckpointError(
             f"checkpoint {path} is incomplete: {info.reason}. Complete checkpoints: "

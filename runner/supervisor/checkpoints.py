@@ -61,7 +61,8 @@ class CheckpointVerifier:
                     return
                 key, path = item
                 try:
-                    ok, reason = verify_checkpoint(path, full=True)
+                    # Recorded: the worker this supervisor restarts then skips hashing it.
+                    ok, reason = verify_checkpoint(path, full=True, record_verified=True)
                 except Exception as e:  # never let the thread die: drain() would wait forever
                     ok, reason = False, f"could not verify: {type(e).__name__}: {e}"
                 self.done.put((key, ok, reason))

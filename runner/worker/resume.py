@@ -88,9 +88,11 @@ class Resume:
     def _latest(self, infos: list[ckpt.CheckpointInfo]) -> ckpt.CheckpointInfo | None:
         if self.dist.enabled:
             # Every host resumes from the same step: the newest one all of them hold.
-            info = ckpt.latest_complete(self.run_dir)
+            info = ckpt.latest_complete(self.run_dir, trust_verified=True)
             agreed = self.dist.all_min(info.step if info is not None else -1)
-            info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
+            info = (
+                ckpt.find_step(self.run_dir, agreed, trust_verified=True) if agreed >= 0 else None
+            )
             if info is None:
                 self._refuse_scratch(infos, [])
                 return None
@@ -99,7 +101,9 @@ class Resume:
         unusable: list[tuple[ckpt.CheckpointInfo, str]] = []
         for info in reversed(infos):
             ok, reason = (
-                ckpt.verify_checkpoint(info.path, full=True)
+                ckpt.verify_checkpoint(
+                    info.path, full=True, trust_verified=True, record_verified=True
+                )
                 if info.complete
                 else (
                     False,
@@ -154,7 +158,7 @@ class Resume:
         if not (resume.isascii() and resume.isdigit()):
             raise ConfigError(f"--resume must be latest, none or a step number, got {resume!r}")
         try:
-            info = ckpt.find_step(self.run_dir, int(resume))
+            info = ckpt.find_step(self.run_dir, int(resume), trust_verified=True)
         except ckpt.CheckpointError as e:
             raise ConfigError(str(e)) from e
         try:

@@ -249,10 +249,12 @@ class Trainer:
                 f"loss/gradients at step {self.step + 1}"
             )
         self.checkpointer.finish_saves()  # a checkpoint still being written is the one to use
-        info = ckpt.latest_complete(self.run_dir)
+        info = ckpt.latest_complete(self.run_dir, trust_verified=True)
         if self.dist.enabled:
             agreed = self.dist.all_min(info.step if info is not None else -1)
-            info = ckpt.find_step(self.run_dir, agreed) if agreed >= 0 else None
+            info = (
+                ckpt.find_step(self.run_dir, agreed, trust_verified=True) if agreed >= 0 else None
+            )
         if info is None:
             raise NaNExcursion(
                 f"non-finite loss/gradients at step {self.step + 1} and no complete checkpoint "

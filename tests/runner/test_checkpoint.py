@@ -20,6 +20,7 @@ import torch
 
 from runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
 from runner.checkpoint.layout import (
+    VERIFIED_FILE,
     CheckpointError,
     apply_retention,
     checkpoint_dir,
@@ -271,6 +272,70 @@ def test_flipped_byte_is_a_sha256_mismatch(tmp_path: Path, name: str) -> None:
     assert not info.complete and info.reason == reason and info.meta["step"] == 10
     with pytest.raises(CheckpointError, match=rf"{path}.*sha256 mismatch.*m3run checkpoints"):
         load_checkpoint(path)
+
+
+def _flip_byte_keeping_identity(path: Path) -> None:
+    """Corrupt a byte in place, keeping size, inode and mtime: what only a hash can see."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_ino == st.st_ino and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_resuming_worker_trusts_the_recorded_check_only_while_the_files_are_unchanged(
+    tmp_path: Path,
+) -> None:
+    path = _save(tmp_path, 10)
+    # Only a check that asks to record writes the record (the supervisor's), and only when it
+    # passed; a plain check, `m3run checkpoints`' or the mirror's, writes nothing.
+    assert verify_checkpoint(path) == (True, None) and not (path / VERIFIED_FILE).exists()
+    assert verify_checkpoint(path, record_verified=True) == (True, None)
+    record = json.loads((path / VERIFIED_FILE).read_text())
+    meta = json.loads((path / "meta.json").read_text())
+    for name in ("model.safetensors", "optim.pt"):
+        assert record["files"][name]["sha256"] == meta["files"][name]["sha256"]
+
+    # A change no stat can see: the trusting check takes the record's word, every other check
+    # hashes and finds it.
+    _flip_byte_keeping_identity(path / "optim.pt")
+    assert verify_checkpoint(path, trust_verified=True) == (True, None)
+    assert latest_complete(tmp_path, trust_verified=True).step == 10
+    ok, reason = verify_checkpoint(path)
+    assert not ok and reason.startswith("sha256 mismatch in optim.pt")
+    assert latest_complete(tmp_path) is None
+
+    # Any change of size, mtime or inode ends the trust: the file is hashed again.
+    os.utime(path / "optim.pt", ns=(0, 10**9))
+    ok, reason = verify_checkpoint(path, trust_verified=True)
+    assert not ok and reason.startswith("sha256 mismatch in optim.pt")
+    with pytest.raises(CheckpointError, match=r"sha256 mismatch in optim\.pt"):
+        find_step(tmp_path, 10, trust_verified=True)
+
+
+def test_a_record_for_other_bytes_is_not_trusted_and_a_failed_record_is_no_error(
+    tmp_path: Path,
+) -> None:
+    path = _save(tmp_path, 10)
+    assert verify_checkpoint(path, record_verified=True) == (True, None)
+    old_record = (path / VERIFIED_FILE).read_text()
+    # The step saved again (other weights): the new directory's meta.json records other
+    # digests, so the old record (copied in) vouches for nothing, whatever the identities.
+    _save(tmp_path, 10, seed=99)
+    (path / VERIFIED_FILE).write_text(old_record)
+    _flip_byte_keeping_identity(path / "model.safetensors")
+    ok, reason = verify_checkpoint(path, trust_verified=True)
+    assert not ok and reason.startswith("sha256 mismatch in model.safetensors")
+
+    # A record that cannot be written (here a directory in its place) only means no record.
+    other = _save(tmp_path, 20)
+    (other / VERIFIED_FILE).mkdir()
+    assert verify_checkpoint(other, record_verified=True) == (True, None)
+    assert verify_checkpoint(other, trust_verified=True) == (True, None)
+    assert (other / VERIFIED_FILE).is_dir()
 
 
 def test_missing_meta_truncated_file_and_garbage_meta_are_incomplete(tmp_path: Path) -> None:

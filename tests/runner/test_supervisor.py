@@ -32,7 +32,7 @@ from helpers.supervision import (
 )
 
 from runner import runstate
-from runner.checkpoint.layout import list_checkpoints
+from runner.checkpoint.layout import META_FILE, VERIFIED_FILE, checkpoint_dir, list_checkpoints
 from runner.files import read_json, read_jsonl
 from runner.protocol import (
     EVENTS_FILE,
@@ -106,6 +106,13 @@ def test_crash_is_restarted_from_latest_checkpoint(tmp_path, standin):
     assert restart["resume_step"] == 2
     assert restart["backoff_s"] == pytest.approx(0.05)
     assert events_named(events, "restart")[0]["kind"] == "crash"
+    # The supervisor recorded its hash check of step 2 before the restart: the record a
+    # restarted worker trusts instead of hashing the files again.
+    record = json.loads((checkpoint_dir(run_dir, 2) / VERIFIED_FILE).read_text())
+    meta = json.loads((checkpoint_dir(run_dir, 2) / META_FILE).read_text())
+    assert {n: r["sha256"] for n, r in record["files"].items()} == {
+        n: r["sha256"] for n, r in meta["files"].items()
+    }
 
 
 def test_always_crashing_worker_backs_off_then_exits_70(tmp_path, standin):
