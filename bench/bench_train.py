@@ -72,10 +72,11 @@ def categorise(name: str) -> str:
 
 
 def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: Path,
-               backend: str, dry_run: bool, resets: bool = True, scope: str = "blocks"):  # fmt: skip
+               backend: str, dry_run: bool, resets: bool = True, scope: str = "blocks",
+               sets: tuple[str, ...] = ()):  # fmt: skip
     """The recipe with the benchmark's batch, compile (``train.compile_scope``) and backend, on
     the prepared corpus, with the scan state reset after every EOS (``data.reset_at_eos``) or
-    not."""
+    not, and the caller's ``KEY=VALUE`` overrides last."""
     from runner.config import load_config
 
     overrides = [
@@ -92,7 +93,7 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
     ]
     if dry_run:
         overrides += ["train.device=cpu", "train.precision=fp32"]
-    return load_config(recipe, overrides)
+    return load_config(recipe, [*overrides, *sets])
 
 
 def sync(device: torch.device) -> None:
@@ -277,6 +278,15 @@ def main() -> None:
         default="blocks",
         help="ours with train.compile_scope blocks (the default), model, or both (first blocks)",
     )
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for ours, e.g. train.deterministic=true (its cost); process-wide "
+        "switches such as that one stay on for every later run of the process",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -325,9 +335,9 @@ def main() -> None:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
         scope = "model" if a.compile_scope == "model" else "blocks"
 
-        def ours(resets: bool, scope: str) -> dict:
+        def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum) -> dict:
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
-                           resets=resets, scope=scope)  # fmt: skip
+                           resets=resets, scope=scope, sets=tuple(a.sets))  # fmt: skip
             res = bench_one(c, steps, a.warmup, a.profile, peak)
             keep(res)
             print(line(res), flush=True)
@@ -361,9 +371,13 @@ def main() -> None:
         # After the anchor: its line matters more than this one's if the time runs out.
         if a.compile_scope == "both" and compile_:
             r_whole = ours(a.resets != "off", "model")
-            print(f"compile scope blocks / model at mb {micro}: step time "
-                  f"{r['step_s'] / r_whole['step_s']:.3f}×, first step "
-                  f"{r['first_step_s']:.1f} s / {r_whole['first_step_s']:.1f} s", flush=True)  # fmt: skip
+            first = f"{r['first_step_s']:.1f} s / {r_whole['first_step_s']:.1f} s"
+            ratio = r["step_s"] / r_whole["step_s"]
+            print(
+                f"compile scope blocks / model at mb {micro}: step time {ratio:.3f}×, "
+                f"first step {first}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
