@@ -97,6 +97,7 @@ def config_hash(cfg: RunConfig) -> str:
 LEGACY_VALUES: dict[str, bool | str] = {
     "data.reset_at_eos": False,
     "train.compile_scope": "model",
+    "train.deterministic": False,
 }
 
 

@@ -127,6 +127,17 @@ class TrainConfig(_Section):
             "Ignored when compile is false, so `train.compile=false` alone turns compilation off."
         ),
     )
+    deterministic: bool = Field(
+        False,
+        description=(
+            "Deterministic kernels and settings where PyTorch offers them "
+            "(torch.use_deterministic_algorithms, cuDNN, a fixed cuBLAS workspace, inductor's "
+            "deterministic mode; the Triton scan always is): one seed on one GPU model and "
+            "software stack gives bitwise-equal losses, and a run killed and resumed reproduces "
+            "the uninterrupted one. Slower; an op with no deterministic kernel is named in a "
+            "warning in worker.log."
+        ),
+    )
     activation_checkpointing: bool = Field(
         False, description="Recompute block activations in backward to save memory."
     )

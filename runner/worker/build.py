@@ -4,6 +4,7 @@ config, the device, the precision, the scan backend, the model and the optimizer
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -31,6 +32,27 @@ def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
                 "Fix: relaunch with the same config, or pass --force to replace it."
             )
     atomic_write_text(path, cfg.to_yaml())
+
+
+def set_determinism(enabled: bool) -> str | None:
+    """train.deterministic, before the first CUDA work: every switch PyTorch offers. Returns a
+    line for the worker's log, None when off. Ops with no deterministic kernel warn (naming
+    the op) rather than stop the run."""
+    if not enabled:
+        return None
+    # cuBLAS reads this when it creates its first handle (the first matmul): a fixed workspace
+    # per stream keeps its split reductions in one order.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    import torch._inductor.config as inductor_config
+
+    switches = "deterministic algorithms, cuDNN, CUBLAS_WORKSPACE_CONFIG"
+    if hasattr(inductor_config, "deterministic"):  # no benchmark-driven choices that move numerics
+        inductor_config.deterministic = True
+        switches += ", inductor"
+    return f"train.deterministic: on ({switches}; {os.environ['CUBLAS_WORKSPACE_CONFIG']})"
 
 
 def resolve_device(cfg: RunConfig, dist: Dist | None = None) -> torch.device:

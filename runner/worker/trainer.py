@@ -30,6 +30,7 @@ from .build import (
     resolve_device,
     resolve_precision,
     resolve_scan_backend,
+    set_determinism,
 )
 from .checkpointing import Checkpointer
 from .dist import Dist
@@ -121,6 +122,9 @@ class Trainer:
         if self.dist.writer:
             self._ownership = claim_run_dir(self.run_dir)
             freeze_config(cfg, self.run_dir, self.force)
+        determinism = set_determinism(t.deterministic)
+        if determinism and self.dist.writer:
+            print(determinism, flush=True)
         self.device = resolve_device(cfg, self.dist)
         self.dist.init(cfg, self.device)
         self.local_accum = self.dist.local_accumulation(cfg)

@@ -424,7 +424,27 @@ def test_compile_scope_is_blocks_for_new_runs_and_in_the_hash():
 
 
 # The keys each added after runs were frozen, with the value such a run reads and its new default.
-LEGACY = [("data", "reset_at_eos", False, True), ("train", "compile_scope", "model", "blocks")]
+LEGACY = [
+    ("data", "reset_at_eos", False, True),
+    ("train", "compile_scope", "model", "blocks"),
+    ("train", "deterministic", False, False),
+]
+
+
+def test_deterministic_is_off_by_default_and_in_the_hash_only_when_on():
+    cfg = parse_config(MINIMAL)
+    on = apply_overrides(cfg, ["train.deterministic=true"])
+    assert cfg.train.deterministic is False and on.train.deterministic is True
+    assert config_hash(on) != config_hash(cfg)
+    dump = cfg.model_dump(mode="json")  # off, it hashes as configs did before the key existed
+    assert "deterministic" in dump["train"]
+    del dump["train"]["deterministic"], dump["train"]["compile_scope"]
+    assert (
+        config_hash(apply_overrides(cfg, ["train.compile_scope=model"]))
+        == hashlib.sha256(
+            json.dumps(dump, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        ).hexdigest()
+    )
 
 
 def _frozen_before_new_keys(run_dir: Path) -> str:

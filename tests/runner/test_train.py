@@ -50,6 +50,23 @@ def test_sigterm_then_relaunch_resumes_exactly(corpus, tmp_path):
     assert any(r["kind"] == "resume" and r["step"] == stopped_at for r in records)
 
 
+def test_deterministic_mode_is_on_in_the_worker_and_resumes_exactly(corpus, tmp_path):
+    """train.deterministic: the worker says so, no op it runs lacks a deterministic kernel (no
+    warning), and a stopped and relaunched run logs the uninterrupted one's losses bitwise. (On
+    a GPU, bench/deterministic_resume.py checks the same with the Triton scan and a SIGKILL.)"""
+    ov = tiny_run_overrides(corpus, **{"train.deterministic": "true"})
+    ref = run_worker(tmp_path / "ref", ov)
+    assert ref.returncode == 0, ref.stderr
+    assert "train.deterministic: on (deterministic algorithms" in ref.stdout
+    assert "deterministic" not in ref.stderr, ref.stderr  # a warn_only warning names the op
+    run_dir = tmp_path / "stopped"
+    sigterm_worker_at(run_dir, ov)
+    again = run_worker(run_dir, ov)
+    assert again.returncode == 0, again.stderr
+    assert train_losses(run_dir) == train_losses(tmp_path / "ref")
+    assert_bitwise_equal(final_weights(run_dir), final_weights(tmp_path / "ref"))
+
+
 def test_missing_data_exits_78_naming_the_path(tmp_path):
     missing = tmp_path / "nowhere" / "train"
     ov = tiny_run_overrides(tmp_path, **{"data.train_path": str(missing)})
