@@ -381,9 +381,11 @@ def restart_rows(run_dir: Path, t_kill: float, start: dict, steady_s: float | No
     backoff = float(restart.get("backoff_s") or 0.0)
     released = first_event(run_dir, "gpu_memory_wait", restart["time"])
     health = first_event(run_dir, "health", restart["time"], when="before restart")
+    settle = float(exited.get("settle_s") or 0.0)
     rows = [
-        _row("exit seen", exited["time"] - t_kill, "SIGKILL to the supervisor's worker_exit"),
-        _row("restart decision", restart["time"] - exited["time"], "checkpoint settle, policy"),
+        _row("exit seen", exited["time"] - settle - t_kill, "SIGKILL to the supervisor's wait"),
+        _row("checkpoint settle", settle, "the supervisor's hash of what the worker left"),
+        _row("restart decision", restart["time"] - exited["time"], "policy"),
         _row("supervisor backoff", backoff),
     ]
     at = restart["time"] + backoff

@@ -450,7 +450,9 @@ class Supervisor:
                 return self._stopped_without_worker()
             worker = self._spawn(resume)
             out = self._watch(worker)
-            self._scanned(self.checkpoints.settle())
+            seen = time.monotonic()
+            self._scanned(self.checkpoints.settle())  # waits for the hash of what it left
+            settle_s = time.monotonic() - seen
             final = getattr(self.hang.read(), "phase", None)
             if out.hang is not None and final in FINAL_WORKER_PHASES:
                 # It had finished, stopped or failed and then hung on its way out: its work is
@@ -478,6 +480,7 @@ class Supervisor:
                 reason=out.hang or describe_exit(code),
                 exit_code=code,
                 pid=worker.pid,
+                settle_s=round(settle_s, 3),
             )
 
             if self.stops.requested:

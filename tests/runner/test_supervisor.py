@@ -106,6 +106,7 @@ def test_crash_is_restarted_from_latest_checkpoint(tmp_path, standin):
     assert restart["resume_step"] == 2
     assert restart["backoff_s"] == pytest.approx(0.05)
     assert events_named(events, "restart")[0]["kind"] == "crash"
+    assert all(e["settle_s"] >= 0 for e in events_named(events, "worker_exit"))
     # The supervisor recorded its hash check of step 2 before the restart: the record a
     # restarted worker trusts instead of hashing the files again.
     record = json.loads((checkpoint_dir(run_dir, 2) / VERIFIED_FILE).read_text())
