@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from runner.supervisor.events import EventLog
-from runner.supervisor.mirror import Mirror, MirrorUploader
+from runner.supervisor.mirror import Mirror
+from runner.supervisor.mirror_upload import MirrorUploader
 from runner.supervisor.settings import SupervisorSettings
 
 

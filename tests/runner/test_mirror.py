@@ -28,7 +28,8 @@ from runner.checkpoint.layout import (
 from runner.config import ConfigError, load_config
 from runner.files import read_json, read_jsonl
 from runner.protocol import EXIT_STOPPED
-from runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, MirrorUploader, read_lag
+from runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, read_lag
+from runner.supervisor.mirror_upload import MirrorUploader
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
