@@ -18,6 +18,7 @@ config.yaml is read with `load_frozen_config`: a key added after the run was fro
 This module must stay torch-free: the supervisor and the light CLI commands import it.
 """
 
+from runner.config.base import ConfigError
 from runner.config.loading import (
     LEGACY_VALUES,
     apply_overrides,
@@ -27,16 +28,14 @@ from runner.config.loading import (
     load_frozen_config,
     parse_config,
 )
+from runner.config.runtime import DistributedConfig, SupervisorConfig
 from runner.config.schema import (
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     DataSourceConfig,
-    DistributedConfig,
     EvalConfig,
     LogConfig,
     RunConfig,
-    SupervisorConfig,
     TrainConfig,
 )
 

@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from model.config import PRESETS, ModelConfig
-from runner.config.schema import ConfigError, RunConfig, did_you_mean, show_value
+from runner.config.base import ConfigError, did_you_mean, show_value
+from runner.config.schema import RunConfig
 
 # ---------------------------------------------------------------------------------------------
 # Loading

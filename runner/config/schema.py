@@ -24,26 +24,8 @@ from runner.config.base import (
     _Section,
     check_preset_name,
     did_you_mean,
-    show_value,
 )
 from runner.config.runtime import DistributedConfig, SupervisorConfig
-
-__all__ = [
-    "COMPILE_MODES",
-    "MIRROR_SCHEMES",
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "DataSourceConfig",
-    "DistributedConfig",
-    "EvalConfig",
-    "LogConfig",
-    "RunConfig",
-    "SupervisorConfig",
-    "TrainConfig",
-    "did_you_mean",
-    "show_value",
-]
 
 # torch.compile's documented modes; a typo here would otherwise surface only after the
 # worker's (possibly long) startup.
