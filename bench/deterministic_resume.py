@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -74,9 +73,7 @@ def main() -> int:
     a = parse_args()
     sv.check_packages("deterministic_resume.py", ("safetensors",))
     deadline = time.time() + a.budget_s
-    work = a.work or Path(tempfile.mkdtemp(prefix="m3run-determinism-"))
-    work.mkdir(parents=True, exist_ok=True)
-    a.out.mkdir(parents=True, exist_ok=True)
+    work = sv.work_dirs(a.work, a.out, "m3run-determinism-")
     corpus = work / "corpus"
     sv.prepare_corpus(corpus, "bpe:512", 400_000, work / "prepare.log")
     base = sv.run_overrides(corpus, a.steps, a.interval, keep_last=a.steps // a.interval + 1)
@@ -89,7 +86,7 @@ def main() -> int:
                  "model.scan_backend=triton"]  # fmt: skip
     base += a.sets
     env = sv.child_env(**sv.compile_caches(work / "caches"))
-    report: dict = {"command": " ".join(sys.argv), "work": str(work), "overrides": base}
+    report = sv.report_start(work, overrides=base)
 
     def run(name: str, deterministic: bool, kill: bool) -> Path:
         run_dir = work / name

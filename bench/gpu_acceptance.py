@@ -33,9 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import supervised as sv
@@ -182,20 +180,10 @@ def main() -> int:
 
     deadline = time.time() + a.budget_s
     config = a.config or (sv.DRY_RECIPE if a.dry_run else sv.RECIPE)
-    work = a.work or Path(tempfile.mkdtemp(prefix="m3run-acceptance-"))
-    work.mkdir(parents=True, exist_ok=True)
-    a.out.mkdir(parents=True, exist_ok=True)
+    work = sv.work_dirs(a.work, a.out, "m3run-acceptance-")
     steps = a.steps or (60 if a.dry_run else 80)
     interval = a.interval or (5 if a.dry_run else 20)
-    report: dict = {
-        "command": " ".join(sys.argv),
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": str(config),
-        "work": str(work),
-        "checks": [],
-        "measurements": [],
-        "checkpoints": {},
-    }
+    report = sv.report_start(work, config=str(config), checks=[], measurements=[], checkpoints={})
     run_dir = work / "run"
 
     def save() -> None:

@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import supervised as sv
@@ -71,16 +69,8 @@ def main() -> int:
     sv.check_packages("restart_breakdown.py")
     deadline = time.time() + a.budget_s
     config = a.config or (sv.DRY_RECIPE if a.dry_run else sv.RECIPE)
-    work = a.work or Path(tempfile.mkdtemp(prefix="m3run-restarts-"))
-    work.mkdir(parents=True, exist_ok=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {
-        "command": " ".join(sys.argv),
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": str(config),
-        "work": str(work),
-        "measurements": [],
-    }
+    work = sv.work_dirs(a.work, a.out, "m3run-restarts-")
+    report = sv.report_start(work, config=str(config), measurements=[])
 
     def save() -> None:
         sv.write_json(a.out / "restart_breakdown.json", report)

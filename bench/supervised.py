@@ -16,8 +16,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,25 @@ def child_env(**extra: str) -> dict[str, str]:
     env.pop("M3RUN_FAULT", None)
     env.update(extra)
     return env
+
+
+def work_dirs(work: Path | None, out: Path, prefix: str) -> Path:
+    """The script's work dir (`work`, or a new temp dir) and its report dir `out`, both made;
+    returns the work dir. Checkpoints of the 434m model are 5 GB each: they stay out of `out`."""
+    work = work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def report_start(work: Path, **fields: Any) -> dict:
+    """The first fields of a script's JSON report: its command line, start time and work dir."""
+    return {
+        "command": " ".join(sys.argv),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "work": str(work),
+        **fields,
+    }
 
 
 def prepare_corpus(out: Path, tokenizer: str, max_bytes: int, log: Path) -> float:
