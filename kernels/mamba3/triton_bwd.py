@@ -12,20 +12,19 @@ chunk-parallel kernel does all of them.
    the dots of kernel 2 use), the fp32 partial sum ``exp(A_L)·<dG_out, G_in>`` (the decay
    gradient of the carried state, over the block's rows) and at the end the start-state
    gradient. q̄ is rebuilt from q, the bias and the angle entering the chunk (saved by the
-   forward) exactly as the forward built it.
-2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·groups·head blocks, a loop over the block's
-   heads): for one chunk and head, q̄ and k̄ (rotated in registers), ``do = dy ⊙ silu(z)``, the
-   scores, and every gradient: ``dv``, ``dz`` (recomputing the pre-gate output), ``dq̄``, ``dk̄``,
-   the trapezoid-weight gradients ``dw`` and ``dcur``, the ``d`` partial sum and the ``adt``
-   gradient. The latter is chunk-local: ``adt`` enters only through the chunk's cumulative decay
-   ``A`` (the carried state sees it through ``exp(A_L)``), so its gradient is a reverse cumsum
-   over one chunk of ``∂L/∂A``, never a sequence-long sum. Then, still in registers, ``dq̄, dk̄``
-   are rotated back (``da = Rᵀ dā``) and summed over the block's heads (the launch plan's head
-   block: a group's heads in one program, or fewer with the blocks summed in PyTorch; on an
-   H200 one head per program is fastest), with the per-chunk bias partial sums and the
-   per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k, rotated frame, with the very
-   dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing of the rotated frame goes to
-   memory.
+   forward) exactly as the forward built it. With a gate it also writes ``do = dy ⊙ silu(z)``
+   in the dot dtype, once, for kernel 2.
+2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·heads): for one chunk and head, q̄ and k̄
+   (rotated in registers), the scores, and every gradient: ``dv``, ``dz`` (recomputing the
+   pre-gate output), ``dq̄``, ``dk̄``, the trapezoid-weight gradients ``dw`` and ``dcur``, the
+   ``d`` partial sum and the ``adt`` gradient. The latter is chunk-local: ``adt`` enters only
+   through the chunk's cumulative decay ``A`` (the carried state sees it through ``exp(A_L)``),
+   so its gradient is a reverse cumsum over one chunk of ``∂L/∂A``, never a sequence-long sum.
+   Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
+   bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
+   rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
+   of the rotated frame goes to memory; ``dq, dk`` are written per head (fp32) and, for grouped
+   q and k, summed over the group's heads in PyTorch.
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
@@ -33,7 +32,7 @@ chunk-parallel kernel does all of them.
 
 What stays in PyTorch, each O(b·h·t) or smaller: the sum over chunks of the chunk totals, the
 trapezoid chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (it shifts by one token), and the sums
-of the bias, ``d`` and head-block partials.
+of the bias, ``d`` and per-head ``dq, dk`` partials.
 """
 
 from __future__ import annotations
@@ -82,30 +81,36 @@ if triton is not None:
                 b_rE * b_gO - b_rO * b_gE)  # fmt: skip
 
     @triton.jit
-    def _gate_grad(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
-                   HAS_Z: tl.constexpr):  # fmt: skip
+    def _gated_do(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
+                  HAS_Z: tl.constexpr):  # fmt: skip
         """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
-        columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
-        dy ⊙ silu'(z), which times the pre-gate output is dz (with z; else do twice)."""
+        columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output."""
         b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
         if HAS_Z:
             b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
-            b_sg = sigmoid(b_z)
-            b_dysg = b_dy * b_sg
-            return b_dysg * b_z, b_dysg * (1.0 + b_z * (1.0 - b_sg))
-        return b_dy, b_dy
+            return b_dy * b_z * sigmoid(b_z)
+        return b_dy
+
+    @triton.jit
+    def _gate_slope(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr):
+        """dy ⊙ silu'(z) for the tiles of :func:`_gated_do`, fp32: times the pre-gate output, dz."""
+        b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
+        b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
+        b_sg = sigmoid(b_z)
+        return b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg))
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_dstate_kernel(
         q, adt, dt, trap, q_bias, angles, phi_in, z, dy, g_in, dg_t, seg,
-        dg_out, dal, dg0,
+        dg_out, dal, dg0, do_out,
         T, NC, H, HPG, P, N, S, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
         """Rows i_v·BV.. of dG for one (batch, head), chunks in reverse. See the module
         docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` and ``g_in`` are
-        (b·h, nc, BP, BN) in the dot dtype; ``dal`` is (b·h, p blocks, nc) fp32."""
+        (b·h, nc, BP, BN) in the dot dtype; ``dal`` is (b·h, p blocks, nc) fp32. With z, the
+        gated ``do`` (b, t, h, p) goes to ``do_out`` in the dot dtype, for kernel 2."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         NV = tl.num_programs(0)
         i_b, i_h = i_bh // H, i_bh % H
@@ -114,6 +119,7 @@ if triton is not None:
         v0 = i_v * BV
         q += (i_b.to(tl.int64) * T * G + i_g) * N
         dy += (i_b.to(tl.int64) * T * H + i_h) * P + v0
+        do_out += (i_b.to(tl.int64) * T * H + i_h) * P + v0
         z += i_b.to(tl.int64) * s_zb + i_h * s_zh + v0
         angles += i_b.to(tl.int64) * s_ab + i_h * s_ah
         o_s = i_bh * T
@@ -157,27 +163,30 @@ if triton is not None:
             b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
             b_qc = _rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2), b_qb, b_cos, b_sin,
                                  DT, BT, BN2)  # fmt: skip
-            b_do, _ = _gate_grad(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
-            b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
+            b_doc = to_dot(_gated_do(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z), DT)
+            if HAS_Z:
+                store_tile(tile_ptr(do_out, T, P - v0, H * P, r0, BT, BV), b_doc)
+            b_doA = to_dot(b_doc.to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_chunk_kernel(
-        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dal, dy, seg,
-        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
-        T, NC, H, HPG, HB, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dal, dy, do,
+        seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, NV: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of a block of HB heads of one (batch, group). See the module docstring.
-        dq, dk are (b, t, g·blocks, n) fp32: with HB < HPG each block writes its partial sum and
-        the caller sums the blocks."""
-        i_c, i_bgk = tl.program_id(0), tl.program_id(1)
+        """Chunk i_c of one (batch, head). See the module docstring. ``do`` is kernel 1's gated
+        dy (dy itself without z): the dots' operand is loaded, never recomputed here, because
+        Triton would redo the gate in each dot operand's layout, for every warp (at 4 warps that
+        was a third of this kernel's instructions). dq, dk are (b, t, h, n) fp32, per head: with
+        grouped q, k (g < h) the caller sums a group's heads."""
+        i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        i_b, i_h = i_bh // H, i_bh % H
+        i_g = i_h // HPG
         G = H // HPG
-        NB = tl.cdiv(HPG, HB)
-        i_bg, i_k = i_bgk // NB, i_bgk % NB
-        i_b, i_g = i_bg // G, i_bg % G
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
         o_n = tl.arange(0, 2 * BN2)
@@ -187,120 +196,108 @@ if triton is not None:
         m_a = m_t[:, None] & (o_m < S)[None, :]
         m_strict = o_t[:, None] > o_t[None, :]
         m_diag = o_t[:, None] == o_t[None, :]
-        o_qk = (i_b.to(tl.int64) * T * G + i_g) * N
+        o_qk = (i_b * T * G + i_g) * N
         p_q = tile_ptr(q + o_qk, T, N, G * N, r0, BT, 2 * BN2)
         p_k = tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)
-        b_dqE = tl.zeros([BT, BN2], dtype=tl.float32)
-        b_dqO = tl.zeros([BT, BN2], dtype=tl.float32)
-        b_dkE = tl.zeros([BT, BN2], dtype=tl.float32)
-        b_dkO = tl.zeros([BT, BN2], dtype=tl.float32)
-        for j in range(i_k * HB, tl.minimum(HPG, (i_k + 1) * HB)):
-            i_h = i_g * HPG + j
-            i_bh = (i_b * H + i_h).to(tl.int64)
-            o_s = i_bh * T
-            o_p = (i_b.to(tl.int64) * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, dv, dz
-            b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
-                                                          o_tc, m_t, o_t, BT)  # fmt: skip
-            b_eA = tl.exp2(b_A2)
-            b_eL = tl.exp2(b_AL2 - b_A2)
-            m_low = m_strict
-            if HAS_RESET:  # see the forward
-                p_seg = seg + i_b.to(tl.int64) * NC * BT
-                m_in, m_out, _keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
-                b_eA = tl.where(m_in, b_eA, 0.0)
-                b_eL = tl.where(m_out, b_eL, 0.0)
-                m_low = m_strict & m_same
-            b_ew = b_eL * b_w
+        o_s = i_bh * T
+        o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
+        o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk
+        b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
+                                                      o_tc, m_t, o_t, BT)  # fmt: skip
+        b_eA = tl.exp2(b_A2)
+        b_eL = tl.exp2(b_AL2 - b_A2)
+        m_low = m_strict
+        if HAS_RESET:  # see the forward
+            p_seg = seg + i_b * NC * BT
+            m_in, m_out, _keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
+            b_eA = tl.where(m_in, b_eA, 0.0)
+            b_eL = tl.where(m_out, b_eL, 0.0)
+            m_low = m_strict & m_same
+        b_ew = b_eL * b_w
 
-            b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
-            p_a = angles + i_b.to(tl.int64) * s_ab + i_h * s_ah
-            b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
-            p_x = tile_ptr(v + i_b.to(tl.int64) * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP)
-            b_x = load_tile(p_x)
-            DT = b_x.dtype
-            b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-            b_qc = _rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
-            b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-            b_kc = _rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
-            p_z = z + i_b.to(tl.int64) * s_zb + i_h * s_zh
-            b_do, b_gz = _gate_grad(dy + o_p, p_z, H * P, s_zt, T, P, r0, BT, BP, HAS_Z)
-            b_doc = to_dot(b_do, DT)
+        b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
+        p_a = angles + i_b * s_ab + i_h * s_ah
+        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+        p_x = tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP)
+        b_x = load_tile(p_x)
+        DT = b_x.dtype
+        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_qc = _rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
+        b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_kc = _rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
+        p_z = z + i_b * s_zb + i_h * s_zh
+        b_doc = to_dot(load_tile(tile_ptr(do + o_p, T, P, H * P, r0, BT, BP)), DT)
 
-            # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
-            # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
-            # diagonal) and, over w, the weight gradient; the diagonals give dcur and d.
-            b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
-            b_S = tl.dot(b_qc, tl.trans(b_kc))
-            b_Mc = to_dot(b_S * b_Dw, DT)
-            b_dS = tl.dot(b_doc, tl.trans(b_x))
-            b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
-            tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
-            b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
-            tl.store(dcur + o_s + o_tc, b_qk * b_dox, mask=m_t)
-            b_dS = b_dS * b_Dw
-            b_MdM = tl.where(m_low, b_S * b_dS, 0.0)
-            b_dA = tl.sum(b_MdM, axis=1)
-            b_MdM = tl.sum(b_MdM, axis=0)
-            b_dA -= b_MdM
-            b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
-            b_dSc = to_dot(b_dS, DT)
+        # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
+        # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
+        # diagonal) and, over w, the weight gradient; the diagonals give dcur and d.
+        b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
+        b_S = tl.dot(b_qc, tl.trans(b_kc))
+        b_Mc = to_dot(b_S * b_Dw, DT)
+        b_dS = tl.dot(b_doc, tl.trans(b_x))
+        b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
+        tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
+        b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
+        tl.store(dcur + o_s + o_tc, b_qk * b_dox, mask=m_t)
+        b_dS = b_dS * b_Dw
+        b_MdM = tl.where(m_low, b_S * b_dS, 0.0)
+        b_dA = tl.sum(b_MdM, axis=1)
+        b_MdM = tl.sum(b_MdM, axis=0)
+        b_dA -= b_MdM
+        b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
+        b_dSc = to_dot(b_dS, DT)
 
-            # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
-            # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
-            # rotated back at once (da = Rᵀ dā, summed over heads; dΦ = ā_E dā_O − ā_O dā_E).
-            o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
-            b_Gc = load_tile(tile_ptr(g_in + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
-            b_qG = tl.dot(b_qc, tl.trans(b_Gc))
-            b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
-            b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
-            o_b = ((i_b * NC + i_c) * H + i_h).to(tl.int64) * N
-            b_daE, b_daO, b_dphi = _rotate_back(b_dqr, b_qc, b_cos, b_sin, BT, BN2)
-            b_dqE += b_daE
-            b_dqO += b_daO
-            tl.store(dqb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-            tl.store(dqb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
-            if HAS_Z:
-                b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
-                if HAS_D:
-                    b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-                store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
-
-            # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
-            # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
-            b_dGc = load_tile(tile_ptr(dg_out + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
-            b_u = tl.dot(b_kc, tl.trans(b_dGc))
-            b_xu = tl.sum(b_x.to(tl.float32) * b_u, axis=1)  # x_jᵀ dG k̄_j
-            b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
+        # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
+        # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
+        # rotated back at once (da = Rᵀ dā; dΦ = ā_E dā_O − ā_O dā_E).
+        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
+        b_Gc = load_tile(tile_ptr(g_in + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
+        b_qG = tl.dot(b_qc, tl.trans(b_Gc))
+        b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
+        b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
+        o_b = ((i_b * NC + i_c) * H + i_h) * N
+        b_daE, b_daO, b_dphi = _rotate_back(b_dqr, b_qc, b_cos, b_sin, BT, BN2)
+        b_dq = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
+        store_tile(tile_ptr(dq + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dq)
+        tl.store(dqb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
+        tl.store(dqb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        if HAS_Z:
+            b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
-                b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-            store_tile(tile_ptr(dv + o_p, T, P, H * P, r0, BT, BP), b_dx)
-            b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * tl.dot(b_x, b_dGc)
-            b_daE, b_daO, b_dphik = _rotate_back(b_dkr, b_kc, b_cos, b_sin, BT, BN2)
-            b_dkE += b_daE
-            b_dkO += b_daO
-            tl.store(dkb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-            tl.store(dkb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
-            b_dphi = tl.where(m_a, b_dphi + b_dphik, 0.0)
-            p_d = dphi + (i_b.to(tl.int64) * T * H + i_h) * S
-            tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
-            tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
+                b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
+            b_gz = _gate_slope(dy + o_p, p_z, H * P, s_zt, T, P, r0, BT, BP)
+            store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
 
-            # The leaving state's exp(A_L)·G_in (kernel 1's partial sums) and its
-            # Σ_j exp(A_L − A_j) w_j x_j k̄_jᵀ: ∂/∂A_L, −∂/∂A_j and ∂/∂w_j.
-            b_dAL = 0.0
-            for i_v in tl.static_range(NV):
-                b_dAL += tl.load(dal + (i_bh * NV + i_v) * NC + i_c)
-            b_sw = b_ew * b_xu
-            b_dAL += tl.sum(b_sw, axis=0)
-            b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
-            tl.store(dadt + o_s + o_tc, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
-            tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
+        # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
+        # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
+        b_dGc = load_tile(tile_ptr(dg_out + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
+        b_u = tl.dot(b_kc, tl.trans(b_dGc))
+        b_xu = tl.sum(b_x.to(tl.float32) * b_u, axis=1)  # x_jᵀ dG k̄_j
+        b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
+        if HAS_D:
+            b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
+        store_tile(tile_ptr(dv + o_p, T, P, H * P, r0, BT, BP), b_dx)
+        b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * tl.dot(b_x, b_dGc)
+        b_daE, b_daO, b_dphik = _rotate_back(b_dkr, b_kc, b_cos, b_sin, BT, BN2)
+        b_dk = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
+        store_tile(tile_ptr(dk + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dk)
+        tl.store(dkb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
+        tl.store(dkb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        b_dphi = tl.where(m_a, b_dphi + b_dphik, 0.0)
+        p_d = dphi + (i_b * T * H + i_h) * S
+        tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
+        tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
 
-        o_out = (i_b.to(tl.int64) * T * G * NB + i_g * NB + i_k) * N
-        b_dq = tl.reshape(tl.join(b_dqE, b_dqO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dq + o_out, T, N, G * NB * N, r0, BT, 2 * BN2), b_dq)
-        b_dk = tl.reshape(tl.join(b_dkE, b_dkO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dk + o_out, T, N, G * NB * N, r0, BT, 2 * BN2), b_dk)
+        # The leaving state's exp(A_L)·G_in (kernel 1's partial sums) and its
+        # Σ_j exp(A_L − A_j) w_j x_j k̄_jᵀ: ∂/∂A_L, −∂/∂A_j and ∂/∂w_j.
+        b_dAL = 0.0
+        for i_v in tl.static_range(NV):
+            b_dAL += tl.load(dal + (i_bh * NV + i_v) * NC + i_c)
+        b_sw = b_ew * b_xu
+        b_dAL += tl.sum(b_sw, axis=0)
+        b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
+        tl.store(dadt + o_s + o_tc, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
+        tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
@@ -355,19 +352,17 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dal = torch.empty(b * h, nv, nc, **f32)
     dg0 = torch.empty(b, h, p, n, **f32)
     seg_ = seg if seg is not None else trap  # never read without HAS_RESET
+    do = torch.empty_like(dy, dtype=v.dtype) if z is not None else dy
     args = (q, adt, dt, trap, q_bias, angles, phi_in, zz, dy, g_in,
-            dg_t if dg_t is not None else dg0, seg_, dg_out, dal, dg0,
+            dg_t if dg_t is not None else dg0, seg_, dg_out, dal, dg0, do,
             t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, HAS_Z=z is not None, HAS_DGT=dg_t is not None,
                  HAS_RESET=seg is not None)  # fmt: skip
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
-    # 2. Every chunk's gradients; heads per program: all of a group's (bv = 0), or blocks of bv
-    # whose partial sums of dq, dk are added below.
-    hb = min(cfgs["bwd_chunk"].bv or hpg, hpg)
-    nb = triton.cdiv(hpg, hb)
-    dq = torch.empty(b, t, g * nb, n, **f32)
-    dk = torch.empty(b, t, g * nb, n, **f32)
+    # 2. Every chunk's gradients, one (chunk, batch, head) per program.
+    dq = torch.empty(b, t, h, n, **f32)
+    dk = torch.empty(b, t, h, n, **f32)
     dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
     dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
@@ -378,17 +373,16 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dphi_c = torch.empty(b * h, nc, BN2, **f32)
     args = (
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles, d if d is not None else q_bias,
-        phi_in, g_in, dg_out, dal, dy, seg_,
+        phi_in, g_in, dg_out, dal, dy, do, seg_,
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
-        t, nc, h, hpg, hb, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides,
-        *a_strides,
+        t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides, *a_strides,
     )  # fmt: skip
     flags = dict(BT=BT, BP=BP, BN2=BN2, NV=nv, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_RESET=seg is not None)  # fmt: skip
-    launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * g * nb), args, flags, cfgs["bwd_chunk"])
-    del dg_out
-    if nb > 1:
-        dq, dk = (x.view(b, t, g, nb, n).sum(3) for x in (dq, dk))
+    launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
+    del dg_out, do
+    if hpg > 1:
+        dq, dk = (x.view(b, t, g, hpg, n).sum(3) for x in (dq, dk))
 
     # 3. The sum of dΦ over the later chunks (and the final angle's gradient), chunk by chunk.
     dphi_t = F.pad(dphi_t.reshape(b * h, 1, s), (0, BN2 - s))

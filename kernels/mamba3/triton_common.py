@@ -92,8 +92,8 @@ KERNELS = ("fwd", "bwd_dstate", "bwd_chunk", "bwd_angle")
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
-    .maxnreg; None leaves it to the compiler) and a block size ``bv`` (0: all): of p for the
-    forward and the backward's state kernel, of the heads of a group for its chunk kernel."""
+    .maxnreg; None leaves it to the compiler) and a block size ``bv`` (0: all) of p for the
+    forward and the backward's state kernel (the other kernels take no block size: 0)."""
 
     num_warps: int
     num_stages: int
@@ -116,7 +116,7 @@ class LaunchConfig:
 DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
     "fwd": LaunchConfig(num_warps=4, num_stages=2),
     "bwd_dstate": LaunchConfig(num_warps=4, num_stages=1),
-    "bwd_chunk": LaunchConfig(num_warps=4, num_stages=1, bv=1),
+    "bwd_chunk": LaunchConfig(num_warps=4, num_stages=1),
     "bwd_angle": LaunchConfig(num_warps=4, num_stages=2),
 }
 

@@ -45,14 +45,12 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``chunk_hb`` / ``dstate_bv``: a launch plan other than the defaults (kernels
-# at another chunk than the caller's; the backward's chunk kernel in blocks of heads; its state
-# kernel in blocks of p rows).
+# ``kernel_chunk`` / ``dstate_bv``: a launch plan other than the defaults (kernels at another
+# chunk than the caller's; the backward's state kernel in blocks of p rows).
 CASES = [
-    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True,
-         chunk_hb=0),
+    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
     dict(b=1, t=90, h=5, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
-         kernel_chunk=32, chunk_hb=2, dstate_bv=16),
+         kernel_chunk=32, dstate_bv=16),
     dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True),
     dict(b=2, t=70, h=4, p=32, n=16, s=4, g=4, chunk=32, state=True, d=True, z=True,
          dstate_bv=16),
@@ -65,7 +63,7 @@ CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
          reset=((0, 32, 45, 47), (0, 5, 63, 64, 99))),
     dict(b=1, t=70, h=2, p=16, n=16, s=4, g=2, chunk=16, state=True, d=True, z=True,
-         reset=((0, 1, 16, 33),), chunk_hb=0, dstate_bv=16),
+         reset=((0, 1, 16, 33),), dstate_bv=16),
 ]  # fmt: skip
 
 
@@ -136,13 +134,10 @@ def main() -> None:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
         plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
-        for name, key in (("bwd_chunk", "chunk_hb"), ("bwd_dstate", "dstate_bv")):
-            if key in c:
-                base = tc.DEFAULT_CONFIGS[name]
-                plan.configs[name] = tc.LaunchConfig(base.num_warps, base.num_stages,
-                                                     bv=c[key])  # fmt: skip
-        c.pop("chunk_hb", None)
-        c.pop("dstate_bv", None)
+        if "dstate_bv" in c:
+            base = tc.DEFAULT_CONFIGS["bwd_dstate"]
+            plan.configs["bwd_dstate"] = tc.LaunchConfig(base.num_warps, base.num_stages,
+                                                         bv=c.pop("dstate_bv"))  # fmt: skip
         starts = c.pop("reset", None)
         triton_siso.plan_for = lambda *args, plan=plan: plan
         x = inputs(**c, gen=gen)
