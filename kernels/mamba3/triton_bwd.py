@@ -48,10 +48,12 @@ from .triton_common import (
     chunk_scalars,
     decay_weights,
     launch,
+    load_dense,
     load_tile,
     rotate,
     segments,
     sigmoid,
+    store_dense,
     store_tile,
     tanh,
     tile_ptr,
@@ -154,8 +156,8 @@ if triton is not None:
 
             # dG_out of this chunk: for kernel 2 (dot dtype) and the carried state's decay term.
             o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
-            store_tile(tile_ptr(dg_out + o_gc, BP, 2 * BN2, 2 * BN2, v0, BV, 2 * BN2), b_dG)
-            b_Gc = load_tile(tile_ptr(g_in + o_gc, BP, 2 * BN2, 2 * BN2, v0, BV, 2 * BN2))
+            store_dense(dg_out + o_gc, v0, b_dG, BV, 2 * BN2)
+            b_Gc = load_dense(g_in + o_gc, v0, BV, 2 * BN2)
             b_dAL = b_eAL * tl.sum(tl.sum(b_dG * b_Gc.to(tl.float32), axis=1), axis=0)
             tl.store(dal + (i_bh * NV + i_v) * NC + i_c, b_dAL)
 
@@ -251,7 +253,7 @@ if triton is not None:
         # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
         # rotated back at once (da = Rᵀ dā; dΦ = ā_E dā_O − ā_O dā_E).
         o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
-        b_Gc = load_tile(tile_ptr(g_in + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
+        b_Gc = load_dense(g_in + o_gc, 0, BP, 2 * BN2)
         b_qG = tl.dot(b_qc, tl.trans(b_Gc))
         b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
@@ -270,7 +272,7 @@ if triton is not None:
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
         # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
-        b_dGc = load_tile(tile_ptr(dg_out + o_gc, BP, 2 * BN2, 2 * BN2, 0, BP, 2 * BN2))
+        b_dGc = load_dense(dg_out + o_gc, 0, BP, 2 * BN2)
         b_u = tl.dot(b_kc, tl.trans(b_dGc))
         b_xu = tl.sum(b_x.to(tl.float32) * b_u, axis=1)  # x_jᵀ dG k̄_j
         b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u

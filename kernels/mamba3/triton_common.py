@@ -191,8 +191,19 @@ if triton is not None:
             """cos x, sin x (exact in the interpreter)."""
             return tl.cos(x), tl.sin(x)
 
+        @triton.jit
+        def fast_div(x, y):
+            """x / y (exact in the interpreter)."""
+            return x / y
+
     else:
         from triton.language.extra import libdevice
+
+        @triton.jit
+        def fast_div(x, y):
+            """x / y to 2 ulp (a reciprocal and a multiply), for denominators in [1, 2^126]: the
+            IEEE division ``/`` compiles to about ten instructions with a slow-path check."""
+            return libdevice.fast_dividef(x, y)
 
         @triton.jit
         def cos_sin(x):
@@ -223,12 +234,13 @@ if triton is not None:
     def tanh(x):
         """tanh through exp2 of a non-positive argument: no overflow, no cancellation near 0."""
         e = tl.exp2((-2.0 * LOG2E_C) * tl.abs(x))
-        r = (1.0 - e) / (1.0 + e)
+        r = fast_div(1.0 - e, 1.0 + e)
         return tl.where(x < 0, -r, r)
 
     @triton.jit
     def sigmoid(x):
-        return 1.0 / (1.0 + tl.exp2(-LOG2E_C * x))
+        """1 / (1 + e^−x); the denominator is clamped at 2^126 (x < −87 gives 0, not a NaN)."""
+        return fast_div(1.0, tl.minimum(1.0 + tl.exp2(-LOG2E_C * x), 8.5e37))
 
     @triton.jit
     def chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT: tl.constexpr):
@@ -313,14 +325,32 @@ if triton is not None:
 
     @triton.jit
     def tile_ptr(base, rows, cols, row_stride, r0, BR: tl.constexpr, BC: tl.constexpr):
-        """Block pointer to the (BR × BC) tile at row r0 of a (rows × cols) row-major matrix with
-        unit column stride: loads and stores vectorise and carry no per-element pointers."""
-        return tl.make_block_ptr(base, (rows, cols), (row_stride, 1), (r0, 0), (BR, BC), (1, 0))
+        """Pointers to the (BR × BC) tile at row r0 of a (rows × cols) row-major matrix with
+        unit column stride, and the mask of its elements inside the matrix."""
+        o_r = r0 + tl.arange(0, BR)
+        o_c = tl.arange(0, BC)
+        return (base + o_r[:, None] * row_stride + o_c[None, :],
+                (o_r < rows)[:, None] & (o_c < cols)[None, :])  # fmt: skip
 
     @triton.jit
     def load_tile(ptr):
-        return tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
+        return tl.load(ptr[0], mask=ptr[1], other=0.0)
 
     @triton.jit
     def store_tile(ptr, value):
-        tl.store(ptr, value.to(ptr.dtype.element_ty.element_ty), boundary_check=(0, 1))
+        tl.store(ptr[0], value.to(ptr[0].dtype.element_ty), mask=ptr[1])
+
+    @triton.jit
+    def _dense(base, r0, BR: tl.constexpr, BC: tl.constexpr):
+        return base + (r0 + tl.arange(0, BR))[:, None] * BC + tl.arange(0, BC)[None, :]
+
+    @triton.jit
+    def load_dense(base, r0, BR: tl.constexpr, BC: tl.constexpr):
+        """The (BR × BC) tile at row r0 of a row-major matrix of BC columns that holds it
+        whole (a chunk's state): no bounds to check, so none of a block pointer's masks."""
+        return tl.load(_dense(base, r0, BR, BC))
+
+    @triton.jit
+    def store_dense(base, r0, value, BR: tl.constexpr, BC: tl.constexpr):
+        p = _dense(base, r0, BR, BC)
+        tl.store(p, value.to(p.dtype.element_ty))

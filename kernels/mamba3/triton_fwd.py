@@ -27,6 +27,7 @@ from .triton_common import (
     decay_weights,
     launch,
     segments,
+    sigmoid,
     tl,
     to_dot,
     triton,
@@ -154,7 +155,7 @@ if triton is not None:
             if HAS_Z:
                 b_z = tl.load(z + o_tc[:, None] * s_zt + o_v[None, :], mask=m_x, other=0.0)
                 b_z = b_z.to(tl.float32)
-                b_o = b_o * b_z * tl.sigmoid(b_z)
+                b_o = b_o * b_z * sigmoid(b_z)
             p_y = y + o_tc[:, None] * (H * P) + o_v[None, :]
             tl.store(p_y, b_o.to(p_y.dtype.element_ty), mask=m_x)
 
