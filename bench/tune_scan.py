@@ -25,7 +25,7 @@ from kernels.mamba3 import triton_common as tc
 
 C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
-    "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32)],
+    "fwd": [C(4, 2), C(4, 3), C(8, 2)],
     # maxnreg 128 at bv 0: four programs an SM, so b·h ≤ 528 sequential programs run in one
     # wave on an H200 (20 B of spills, sm_90).
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
@@ -33,7 +33,7 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # maxnreg 168 / 128: three / four programs an SM instead of two (ncu: latency-bound at 12%
     # occupancy), for 324 / 636 B of spills a thread against none (sm_90, ptxas).
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128)],
-    "bwd_angle": [C(2, 1), C(4, 1), C(4, 2), C(4, 3), C(8, 2)],
+    "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -23,17 +23,16 @@ chunk-parallel kernel does all of them.
    Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
    bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
-   of the rotated frame goes to memory; ``dq, dk`` are written per head (fp32) for kernel 3.
-3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·groups, a loop over the group's heads):
-   ``Φ_t`` is a cumsum of ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u``
-   take the reverse cumsum of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local
-   reverse cumsum plus the sum over later chunks (PyTorch sums the (b·h, nc, s) chunk totals
-   between kernels 2 and 3). On the way it sums kernel 2's per-head ``dq, dk`` over the group's
-   heads (fp32, in head order) and writes them in q's dtype.
+   of the rotated frame goes to memory; ``dq, dk`` are written per head (fp32) and, for grouped
+   q and k, summed over the group's heads in PyTorch.
+3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
+   ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
+   of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
+   over later chunks (PyTorch sums the (b·h, nc, s) chunk totals between kernels 2 and 3).
 
 What stays in PyTorch, each O(b·h·t) or smaller: the sum over chunks of the chunk totals, the
 trapezoid chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (it shifts by one token), and the sums
-of the bias and ``d`` partials.
+of the bias, ``d`` and per-head ``dq, dk`` partials.
 """
 
 from __future__ import annotations
@@ -184,8 +183,8 @@ if triton is not None:
         """Chunk i_c of one (batch, head). See the module docstring. ``do`` is kernel 1's gated
         dy (dy itself without z): the dots' operand is loaded, never recomputed here, because
         Triton would redo the gate in each dot operand's layout, for every warp (at 4 warps that
-        was a third of this kernel's instructions). dq, dk are (b, t, h, n) fp32, per head:
-        kernel 3 sums a group's heads."""
+        was a third of this kernel's instructions). dq, dk are (b, t, h, n) fp32, per head: with
+        grouped q, k (g < h) the caller sums a group's heads."""
         i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         i_g = i_h // HPG
@@ -304,51 +303,36 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
-        dt, angles, dphi, dphi_after, ddt, dq_h, dk_h, dq, dk,
-        T, NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as,
+        dt, angles, dphi, dphi_after, ddt,
+        T, NC, H, S, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BN2: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of one (batch, group), a loop over the group's heads: the reverse cumsum of
-        dΦ (chunk-local, plus the sum over later chunks in ``dphi_after``) to the angle
-        gradient, in place in ``dphi``, and to the angle term of the Δ gradient; and the sum over
-        the heads of kernel 2's per-head ``dq_h, dk_h`` (b, t, h, n) fp32, in a fixed order, to
-        ``dq, dk`` (b, t, g, n) in their dtype."""
-        i_c, i_bg = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        G = H // HPG
-        i_b, i_g = i_bg // G, i_bg % G
+        """Chunk i_c of one (batch, head): the reverse cumsum of dΦ (chunk-local, plus the sum
+        over later chunks in ``dphi_after``) to the angle gradient, in place in ``dphi``, and to
+        the angle term of the Δ gradient."""
+        i_c, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = i_bh // H, i_bh % H
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
         o_tc = i_c * BT + o_t
         m_t = o_tc < T
         m_a = m_t[:, None] & (o_m < S)[None, :]
-        b_dq = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
-        b_dk = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
-        for j in range(HPG):
-            i_h = i_g * HPG + j
-            i_bh = i_b * H + i_h
-            p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
-            b_dphi = tl.load(p_d, mask=m_a, other=0.0)
-            b_after = tl.load(dphi_after + (i_bh * NC + i_c) * BN2 + o_m)
-            b_rc = b_after[None, :] + tl.cumsum(b_dphi, axis=0, reverse=True)
-            b_dt = tl.load(dt + i_bh * T + o_tc, mask=m_t, other=0.0)
-            p_a = angles + i_b * s_ab + i_h * s_ah
-            b_th = tanh(tl.load(p_a + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a,
-                                other=0.0))  # fmt: skip
-            tl.store(p_d, b_rc * b_dt[:, None] * PI * (1.0 - b_th * b_th), mask=m_a)
-            b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
-            tl.store(ddt + i_bh * T + o_tc, b_ddt, mask=m_t)
-            o_h = (i_b * T * H + i_h) * N
-            b_dq += load_tile(tile_ptr(dq_h + o_h, T, N, H * N, i_c * BT, BT, 2 * BN2))
-            b_dk += load_tile(tile_ptr(dk_h + o_h, T, N, H * N, i_c * BT, BT, 2 * BN2))
-        o_g = (i_b * T * G + i_g) * N
-        store_tile(tile_ptr(dq + o_g, T, N, G * N, i_c * BT, BT, 2 * BN2), b_dq)
-        store_tile(tile_ptr(dk + o_g, T, N, G * N, i_c * BT, BT, 2 * BN2), b_dk)
+        p_d = dphi + (i_b.to(tl.int64) * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        b_dphi = tl.load(p_d, mask=m_a, other=0.0)
+        b_after = tl.load(dphi_after + (i_bh.to(tl.int64) * NC + i_c) * BN2 + o_m)
+        b_rc = b_after[None, :] + tl.cumsum(b_dphi, axis=0, reverse=True)
+        b_dt = tl.load(dt + i_bh.to(tl.int64) * T + o_tc, mask=m_t, other=0.0)
+        p_a = angles + i_b.to(tl.int64) * s_ab + i_h * s_ah
+        b_th = tanh(tl.load(p_a + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0))
+        tl.store(p_d, b_rc * b_dt[:, None] * PI * (1.0 - b_th * b_th), mask=m_a)
+        b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
+        tl.store(ddt + i_bh.to(tl.int64) * T + o_tc, b_ddt, mask=m_t)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
              dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig]):  # fmt: skip
     """Launch the three kernels. Returns the gradients of every input of the forward kernel:
-    dq, dk (b, t, g, n) in q's dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd (h,),
+    dq, dk (b, t, g, n) fp32, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd (h,),
     dphi0 (b, h, s), dg0 (b, h, p, n)."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
@@ -399,6 +383,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
                  HAS_RESET=seg is not None)  # fmt: skip
     launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
     del dg_out, do
+    if hpg > 1:
+        dq, dk = (x.view(b, t, g, hpg, n).sum(3) for x in (dq, dk))
 
     # 3. The sum of dΦ over the later chunks (and the final angle's gradient), chunk by chunk.
     dphi_t = F.pad(dphi_t.reshape(b * h, 1, s), (0, BN2 - s))
@@ -406,13 +392,9 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dphi_after = (suffix - dphi_c + dphi_t).contiguous()
     dphi0 = (suffix[:, 0, :s] + dphi_t[:, 0, :s]).reshape(b, h, s)
     ddt = torch.empty(b, h, t, **f32)
-    dq_h, dk_h = dq, dk
-    dq, dk = (torch.empty(b, t, g, n, dtype=q.dtype, device=dev) for _ in range(2))
-    args = (dt, angles, dangles, dphi_after, ddt, dq_h, dk_h, dq, dk, t, nc, h, hpg, n, s,
-            *a_strides)  # fmt: skip
-    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * g), args, dict(BT=BT, BN2=BN2),
+    args = (dt, angles, dangles, dphi_after, ddt, t, nc, h, s, *a_strides)
+    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * h), args, dict(BT=BT, BN2=BN2),
            cfgs["bwd_angle"])  # fmt: skip
-    del dq_h, dk_h
 
     # Trapezoid chain rule: w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1}, cur_u = λ_uΔ_u.
     lam = torch.sigmoid(trap)

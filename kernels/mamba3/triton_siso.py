@@ -62,7 +62,7 @@ class SisoTriton(torch.autograd.Function):
          dg0) = siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
                          dy, dg_t, dphi_t, plan.chunk, plan.configs)  # fmt: skip
         return (
-            dq, dk, dv, dz, dadt, ddt, dtrap,
+            dq.to(q.dtype), dk.to(k.dtype), dv, dz, dadt, ddt, dtrap,
             dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,
             None if d is None else dd.to(d.dtype),
             dphi0 if ctx.needs_input_grad[11] else None,
