@@ -91,26 +91,34 @@ def nbytes(tensors) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def time_impl(fn, x, chunk):
+def time_fwd_bwd(fn, x, chunk) -> float:
+    """Median ms of one forward+backward (compiled, and for the official kernel autotuned,
+    outside the timing)."""
     import triton.testing
 
     leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
     gy = torch.randn_like(x["v"])
 
+    def fwd_bwd():
+        fn(chunk_size=chunk, **leaves).backward(gy)
+
+    fwd_bwd()
+    return triton.testing.do_bench(
+        fwd_bwd, warmup=25, rep=200, grad_to_none=list(leaves.values()), return_mode="median"
+    )
+
+
+def time_fwd(fn, x, chunk) -> float:
+    """Median ms of one forward without autograd (the official kernel autotunes this variant
+    afresh, which takes minutes)."""
+    import triton.testing
+
     def fwd():
         with torch.no_grad():
             return fn(chunk_size=chunk, **x)
 
-    def fwd_bwd():
-        fn(chunk_size=chunk, **leaves).backward(gy)
-
-    fwd_bwd()  # compile (and, for the official kernel, autotune) outside the timing
-    ms_fb = triton.testing.do_bench(
-        fwd_bwd, warmup=25, rep=200, grad_to_none=list(leaves.values()), return_mode="median"
-    )
-    print(f"  fwd+bwd {ms_fb:.3f} ms", flush=True)
-    ms_f = triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
-    return ms_f, ms_fb, fwd()
+    fwd()
+    return triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
 
 
 def kernel_times(fn, x, chunk, reps: int = 20) -> list[tuple[str, float]]:
@@ -193,19 +201,27 @@ def main() -> None:
             for kname, ms in rows:
                 print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  {kname[:90]}")
 
-    results = {}
+    # Forward+backward of every impl first, with its ratio, so that a run cut short during the
+    # official kernel's autotune of its no-grad forward still has the line that matters.
+    fb = {}
     for name, fn in impls.items():
-        results[name] = time_impl(fn, x, a.chunk)
-        print(
-            f"{name}: fwd {results[name][0]:.3f} ms, fwd+bwd {results[name][1]:.3f} ms", flush=True
-        )
-    base = results.get("official")
+        fb[name] = time_fwd_bwd(fn, x, a.chunk)
+        print(f"{name}: fwd+bwd {fb[name]:.3f} ms", flush=True)
+    base = fb.get("official")
+    if base:
+        for name, ms in fb.items():
+            print(f"{name}: fwd+bwd / official = {ms / base:.2f}", flush=True)
+    fw = {}
+    for name, fn in impls.items():
+        fw[name] = time_fwd(fn, x, a.chunk)
+        print(f"{name}: fwd {fw[name]:.3f} ms", flush=True)
     head = (f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
             f" {'fwd/off':>8} {'f+b/off':>8}")  # fmt: skip
     print("\n" + head + "\n" + "-" * len(head))
-    for name, (ms_f, ms_fb, _) in results.items():
-        r_f = f"{ms_f / base[0]:.2f}" if base else "-"
-        r_fb = f"{ms_fb / base[1]:.2f}" if base else "-"
+    for name in impls:
+        ms_f, ms_fb = fw[name], fb[name]
+        r_f = f"{ms_f / fw['official']:.2f}" if base else "-"
+        r_fb = f"{ms_fb / base:.2f}" if base else "-"
         print(
             f"{name:15} {ms_f:8.3f} {io_f / ms_f / 1e6:9.0f}"
             f" {ms_fb:11.3f} {io_fb / ms_fb / 1e6:7.0f} {r_f:>8} {r_fb:>8}"
