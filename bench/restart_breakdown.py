@@ -18,8 +18,9 @@ measurement, so a run cut short still leaves what it measured.
 
 Each start is split into phases from the run dir alone: the supervisor's events.jsonl (launch,
 health, smoke, worker_exit, restart with its backoff, gpu_memory_wait, worker_start) and the
-worker's `startup_times` record in metrics.jsonl (process start, model built, resume start and
-end, setup end, first step end). "compile" is the first step less the median of the steps
+worker's `startup_times` record in metrics.jsonl (process start, imports done, setup start,
+device ready, model initialised, optimizer built, resume start and end, compile wrapped, setup
+end, first step end). "compile" is the first step less the median of the steps
 logged after it. The run dir, the corpus and the caches live under --work (a temp dir by
 default), never under --out: checkpoints of the 434m model are 5 GB each.
 """

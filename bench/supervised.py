@@ -346,12 +346,17 @@ def worker_rows(start: dict, spawned_at: float, steady_s: float | None) -> list[
         compile_s, step_s, step_note = None, first, "no steady step seen: all of it"
     else:
         compile_s, step_s, step_note = first - steady_s, steady_s, "one steady step"
+    s = start
     return [
-        _row("process start", start["setup_start"] - spawned_at, "exec, imports, config"),
-        _row("model build", start["model_built"] - start["setup_start"], "CUDA init, model, AdamW"),
-        _row("data loader", start["resume_start"] - start["model_built"], "shards, checkpointer"),
-        _row("checkpoint load", start["resume_end"] - start["resume_start"], what),
-        _row("setup rest", start["setup_end"] - start["resume_end"], "compile wrapper, tracker"),
+        _row("process start", s["imported"] - spawned_at, "exec, imports"),
+        _row("config", s["setup_start"] - s["imported"], "load and check the config"),
+        _row("device", s["device_ready"] - s["setup_start"], "run-dir claim, CUDA device"),
+        _row("model build", s["model_init"] - s["device_ready"], "telemetry, model init"),
+        _row("optimizer", s["model_built"] - s["model_init"], "AdamW"),
+        _row("data loader", s["resume_start"] - s["model_built"], "shards, checkpointer"),
+        _row("checkpoint load", s["resume_end"] - s["resume_start"], what),
+        _row("compile wrapper", s["compile_wrapped"] - s["resume_end"], "torch.compile, DDP"),
+        _row("setup rest", s["setup_end"] - s["compile_wrapped"], "tracker"),
         _row("compile", compile_s, "first step less one steady step"),
         _row("first step", step_s, step_note),
     ]

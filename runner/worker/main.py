@@ -13,6 +13,7 @@ import argparse
 import errno
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def run(
     lr_scale: float = 1.0,
 ) -> int:
     """Train and return the worker's exit code (never raises for the expected failures)."""
+    imported = time.time()  # this module's imports (torch, the model, the kernels) are done
     trainer = None
     try:
         cfg = load_config(config, overrides)
@@ -57,6 +59,7 @@ def run(
         if not (lr_scale > 0):
             raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
         trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale)
+        trainer.startup_times["imported"] = imported
         signal.signal(signal.SIGTERM, trainer._on_signal)
         signal.signal(signal.SIGINT, trainer._on_signal)
         trainer.setup()

@@ -127,6 +127,7 @@ class Trainer:
             print(determinism, flush=True)
         self.device = resolve_device(cfg, self.dist)
         self.dist.init(cfg, self.device)
+        marks["device_ready"] = time.time()
         self.local_accum = self.dist.local_accumulation(cfg)
         self.scan_backend = resolve_scan_backend(cfg, self.device)
         self.telemetry = Telemetry(cfg, self.run_dir, self.dist, self.device, lambda: self.step)
@@ -137,6 +138,7 @@ class Trainer:
         self.model = build_model(cfg, self.device)
         self.model.activation_checkpointing = t.activation_checkpointing
         self.n_params = self.model.num_params()
+        marks["model_init"] = time.time()
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
         marks["model_built"] = time.time()
         self.loader = train_loader(
@@ -185,6 +187,7 @@ class Trainer:
                 self.step_model = torch.compile(self.ddp_model, mode=mode)
             else:  # the blocks compiled in place; DDP's hooks stay eager around them
                 self.model.compile_blocks(mode=mode)
+        marks["compile_wrapped"] = time.time()
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
         marks["setup_end"] = time.time()

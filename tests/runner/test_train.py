@@ -266,8 +266,9 @@ def test_each_worker_process_records_its_way_to_the_first_step(corpus, tmp_path)
     assert again.returncode == 0, again.stderr
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "startup_times"]
     assert [(r["step"], r["resumed_from"]) for r in records] == [(1, None), (4, 3)]
-    order = ("process_start", "setup_start", "model_built", "resume_start", "resume_end",
-             "setup_end", "first_step_end")  # fmt: skip
+    order = ("process_start", "imported", "setup_start", "device_ready", "model_init",
+             "model_built", "resume_start", "resume_end", "compile_wrapped", "setup_end",
+             "first_step_end")  # fmt: skip
     for r in records:
         marks = [r[k] for k in order]
         assert marks == sorted(marks), r
