@@ -128,10 +128,10 @@ def stop(
     ] = False,
 ) -> None:
     """Stop a run: the worker saves a checkpoint and exits; waits until the run is stopped."""
-    from runner import runstate
+    from runner.stopping import stop_run
 
     run_dir = run_dir_of(run)
-    raise typer.Exit(runstate.stop_run(run_dir, grace_s=grace, force=force, say=typer.echo))
+    raise typer.Exit(stop_run(run_dir, grace_s=grace, force=force, say=typer.echo))
 
 
 @app.command(

@@ -17,7 +17,7 @@ import pytest
 from helpers.supervision import FAST, make_run, spawn_driver, wait_for
 from typer.testing import CliRunner
 
-from runner import runstate
+from runner import runstate, stopping
 from runner.cli import app
 from runner.files import read_json, read_jsonl
 from runner.protocol import (
@@ -325,9 +325,9 @@ def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
             worker_create_time=psutil.Process(worker.pid).create_time(),
         )
         said: list[str] = []
-        code = runstate.stop_run(run_dir, grace_s=0.2, force=False, say=said.append, margin_s=0.3)
+        code = stopping.stop_run(run_dir, grace_s=0.2, force=False, say=said.append, margin_s=0.3)
         assert code == 1 and "rerun with --force" in said[-1]
-        code = runstate.stop_run(run_dir, grace_s=0.2, force=True, say=said.append, margin_s=0.3)
+        code = stopping.stop_run(run_dir, grace_s=0.2, force=True, say=said.append, margin_s=0.3)
         assert code == 0
         assert sup.wait(timeout=5) == -signal.SIGKILL
         assert worker.wait(timeout=5) == -signal.SIGKILL
