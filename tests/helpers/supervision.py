@@ -132,3 +132,34 @@ def unrelated_process() -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True
     )
+
+
+class FakeGpu:
+    """A GpuProbe stand-in: verdicts per call, per-process memory, release waits."""
+
+    def __init__(self, verdicts: list[str], mem_total_mib: int = 1000, process_bytes=None):
+        self.verdicts, self.calls, self.released = list(verdicts), [], []
+        self.mem_total_mib, self.process_bytes = mem_total_mib, process_bytes
+
+    def check(self, allowed_pids):
+        verdict = self.verdicts.pop(0) if len(self.verdicts) > 1 else self.verdicts[0]
+        self.calls.append(verdict)
+        mem = self.mem_total_mib
+
+        class Report:
+            def summary(self):
+                return f"GPU health: {verdict}"
+
+            def to_dict(self):
+                return {"verdict": verdict, "devices": [{"index": 0, "mem_total_mib": mem}]}
+
+        report = Report()
+        report.verdict = verdict
+        return report
+
+    def process_memory(self, pid):
+        return self.process_bytes
+
+    def wait_released(self, pids, timeout_s):
+        self.released.append(list(pids))
+        return True
