@@ -201,8 +201,9 @@ if triton is not None:
 
         @triton.jit
         def fast_div(x, y):
-            """x / y to 2 ulp (a reciprocal and a multiply), for denominators in [1, 2^126]: the
-            IEEE division ``/`` compiles to about ten instructions with a slow-path check."""
+            """x / y to 2 ulp (a reciprocal and a multiply) for |y| up to 2^126, 0 beyond (and
+            for y = inf), NaN for a NaN: the IEEE division ``/`` compiles to about ten
+            instructions with a slow-path check."""
             return libdevice.fast_dividef(x, y)
 
         @triton.jit
@@ -239,8 +240,8 @@ if triton is not None:
 
     @triton.jit
     def sigmoid(x):
-        """1 / (1 + e^−x); the denominator is clamped at 2^126 (x < −87 gives 0, not a NaN)."""
-        return fast_div(1.0, tl.minimum(1.0 + tl.exp2(-LOG2E_C * x), 8.5e37))
+        """1 / (1 + e^−x): 0 for x below about −87 (the denominator past 2^126), NaN for NaN."""
+        return fast_div(1.0, 1.0 + tl.exp2(-LOG2E_C * x))
 
     @triton.jit
     def chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT: tl.constexpr):
