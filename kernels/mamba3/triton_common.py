@@ -348,7 +348,7 @@ if triton is not None:
     @triton.jit
     def load_dense(base, r0, BR: tl.constexpr, BC: tl.constexpr):
         """The (BR × BC) tile at row r0 of a row-major matrix of BC columns that holds it
-        whole (a chunk's state): no bounds to check, so none of a block pointer's masks."""
+        whole (a chunk's state): no bounds to check, so no mask."""
         return tl.load(_dense(base, r0, BR, BC))
 
     @triton.jit
