@@ -404,7 +404,8 @@ def restart_rows(run_dir: Path, t_kill: float, start: dict, steady_s: float | No
     spawn = first_event(run_dir, "worker_start", t_kill, pid=start["pid"])
     if exited is None or restart is None or spawn is None:
         raise BenchError(f"events.jsonl of {run_dir} lacks worker_exit, restart or worker_start")
-    backoff = float(restart.get("backoff_s") or 0.0)
+    # What is left of the backoff after the settle, which counts toward it.
+    backoff = float(restart.get("wait_s", restart.get("backoff_s")) or 0.0)
     released = first_event(run_dir, "gpu_memory_wait", restart["time"])
     health = first_event(run_dir, "health", restart["time"], when="before restart")
     settle = float(exited.get("settle_s") or 0.0)

@@ -26,7 +26,10 @@ class SupervisorConfig(_Section):
         description="Consecutive restarts without a new checkpoint before giving up (exit 70).",
     )
     backoff_initial_s: float = Field(
-        2.0, gt=0, description="Delay before the first restart; doubles on each further one."
+        2.0,
+        gt=0,
+        description="Delay from a worker's exit to the first restart (the supervisor's check "
+        "of the checkpoints it left counts toward it); doubles on each further one.",
     )
     backoff_max_s: float = Field(300.0, gt=0, description="Upper bound of the restart delay.")
     startup_timeout_s: float = Field(

@@ -14,10 +14,11 @@ in its own process group (worker) and watches it:
 * every new checkpoint is verified complete (sha256) in a background thread (checkpoints).
 
 Restart policy (restarts): exponential backoff (``backoff_initial_s`` doubling up to
-``backoff_max_s``); at most ``max_restarts`` restarts per ``restart_window_s``;
-``no_progress_restarts`` restarts in a row without a new complete checkpoint end the run (exit
-70). Exit 76 restarts from the checkpoint before the latest one with the learning rate scaled
-by ``nan_lr_factor`` (squared, cubed, … for consecutive exits 76); exit 78 is never restarted.
+``backoff_max_s``, counted from the worker's exit); at most ``max_restarts`` restarts per
+``restart_window_s``; ``no_progress_restarts`` restarts in a row without a new complete
+checkpoint end the run (exit 70). Exit 76 restarts from the checkpoint before the latest one
+with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for consecutive exits
+76); exit 78 is never restarted.
 Before a relaunch the dead worker's GPU memory must be released and the GPU healthy.
 
 SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
@@ -503,13 +504,15 @@ class Supervisor:
                 )
             kind, reason, resume = diagnose(out, self.checkpoints, self.lr_cut)
             self.lr_scale = self.lr_cut.lr_scale_for(resume)
-            code_or_none = self._restart_or_give_up(kind, reason, code, resume, worker.pid)
+            code_or_none = self._restart_or_give_up(kind, reason, code, resume, worker.pid, seen)
             if code_or_none is not None:
                 return code_or_none
 
     def _restart_or_give_up(
-        self, kind: str, reason: str, exit_code: int, resume: str, dead_pid: int
+        self, kind: str, reason: str, exit_code: int, resume: str, dead_pid: int, exited: float
     ) -> int | None:
+        """The backoff counts from the worker's exit (monotonic `exited`): the verification of
+        what it left, done since, is part of the wait rather than added to it."""
         grant = self.restarts.grant(reason, self.run_dir / WORKER_LOG)
         if isinstance(grant, str):
             return self._end(SupervisorPhase.FAILED, EXIT_SOFTWARE, grant, level="error")
@@ -547,10 +550,11 @@ class Supervisor:
             resume=resume,
             resume_step=resume_step,
             backoff_s=grant.backoff_s,
+            wait_s=round(max(0.0, exited + grant.backoff_s - time.monotonic()), 3),
             restart=len(self.state.restarts),
             restarts_in_window=grant.in_window,
         )
-        deadline = time.monotonic() + grant.backoff_s
+        deadline = exited + grant.backoff_s
         while time.monotonic() < deadline:
             if self.stops.requested:
                 return self._stopped_without_worker()

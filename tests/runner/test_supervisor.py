@@ -46,6 +46,7 @@ from runner.protocol import (
     Heartbeat,
     SupervisorPhase,
 )
+from runner.supervisor.checkpoints import CheckpointTracker
 from runner.supervisor.hang import HangDetector
 from runner.supervisor.launch import LaunchError, RunLock
 from runner.supervisor.supervisor import Supervisor
@@ -103,6 +104,33 @@ def test_crash_is_restarted_from_latest_checkpoint(tmp_path, standin):
     assert {n: r["sha256"] for n, r in record["files"].items()} == {
         n: r["sha256"] for n, r in meta["files"].items()
     }
+
+
+def test_the_backoff_counts_from_the_exit_so_a_slow_checkpoint_check_is_part_of_it(
+    tmp_path, standin, monkeypatch
+):
+    """The supervisor's hash of what the dead worker left (1.5 s here, made slow on purpose)
+    overlaps the 2 s backoff instead of being added to it."""
+    settle = CheckpointTracker.settle
+
+    def slow_settle(self):
+        time.sleep(1.5)
+        return settle(self)
+
+    monkeypatch.setattr(CheckpointTracker, "settle", slow_settle)
+    run_dir = make_run(
+        tmp_path, [{"steps": 3, "ckpt_every": 2, "exit": 1}, {"steps": 1, "exit": 0}]
+    )
+    code, _, events = supervise(run_dir, standin, backoff_initial_s=2.0, backoff_max_s=2.0)
+    assert code == EXIT_OK
+    (restart,) = events_named(events, "restart")
+    assert restart["backoff_s"] == 2.0 and restart["wait_s"] < 1.0
+    exited, started = (
+        events_named(events, "worker_exit")[0],
+        events_named(events, "worker_start")[1],
+    )
+    # the exit event comes after the settle; from there only the rest of the backoff is waited
+    assert started["time"] - exited["time"] < 1.5
 
 
 def test_always_crashing_worker_backs_off_then_exits_70(tmp_path, standin):
