@@ -23,22 +23,22 @@ chunk-parallel kernel does all of them.
    Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
    bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
-   of the rotated frame goes to memory; ``dq, dk`` are written per head (fp32) and, for grouped
-   q and k, summed over the group's heads in PyTorch.
+   of the rotated frame goes to memory; ``dq, dk`` are written per head in the dot dtype and,
+   for grouped q and k, summed over the group's heads in PyTorch (fp32 accumulation).
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
-   over later chunks (PyTorch sums the (b·h, nc, s) chunk totals between kernels 2 and 3).
+   of kernel 2's chunk totals over the later chunks (each program sums them itself, in blocks,
+   so no subtraction and no launch between kernels 2 and 3). It also applies the trapezoid
+   chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (a shift by one token, read across the
+   chunk boundary).
 
-What stays in PyTorch, each O(b·h·t) or smaller: the sum over chunks of the chunk totals, the
-trapezoid chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (it shifts by one token), and the sums
-of the bias, ``d`` and per-head ``dq, dk`` partials.
+What stays in PyTorch: the sums of the bias, ``d`` and per-head ``dq, dk`` partials.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .triton_common import (
     PI,
@@ -183,8 +183,8 @@ if triton is not None:
         """Chunk i_c of one (batch, head). See the module docstring. ``do`` is kernel 1's gated
         dy (dy itself without z): the dots' operand is loaded, never recomputed here, because
         Triton would redo the gate in each dot operand's layout, for every warp (at 4 warps that
-        was a third of this kernel's instructions). dq, dk are (b, t, h, n) fp32, per head: with
-        grouped q, k (g < h) the caller sums a group's heads."""
+        was a third of this kernel's instructions). dq, dk are (b, t, h, n) in the dot dtype,
+        per head: with grouped q, k (g < h) the caller sums a group's heads."""
         i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         i_g = i_h // HPG
@@ -303,37 +303,63 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
-        dt, angles, dphi, dphi_after, ddt,
+        dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
         T, NC, H, S, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BN2: tl.constexpr,
+        BT: tl.constexpr, BN2: tl.constexpr, BNC: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of one (batch, head): the reverse cumsum of dΦ (chunk-local, plus the sum
-        over later chunks in ``dphi_after``) to the angle gradient, in place in ``dphi``, and to
-        the angle term of the Δ gradient."""
-        i_c, i_bh = tl.program_id(0), tl.program_id(1)
+        """Chunk i_c of one (batch, head): the reverse cumsum of dΦ (chunk-local, plus the chunk
+        totals ``dphi_c`` of the later chunks and the final angle's gradient) to the angle
+        gradient, in place in ``dphi``; chunk 0 also writes the start angle's gradient. Then the
+        trapezoid chain rule from kernel 2's ``(dw, dcur)``, with
+        w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1} and cur_u = λ_uΔ_u: ``ddt`` (plus the angle term) and
+        ``dtrap`` (λ = sigmoid(trap))."""
+        i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
+        o_j = tl.arange(0, BNC)
         o_tc = i_c * BT + o_t
         m_t = o_tc < T
-        m_a = m_t[:, None] & (o_m < S)[None, :]
-        p_d = dphi + (i_b.to(tl.int64) * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        m_s = o_m < S
+        m_a = m_t[:, None] & m_s[None, :]
+
+        # Σ over the later chunks, in blocks of BNC chunk totals: one pass, no subtraction.
+        b_after = tl.load(dphi_t + i_bh * S + o_m, mask=m_s, other=0.0)
+        p_c = dphi_c + i_bh * NC * BN2
+        for j0 in range(i_c + 1, NC, BNC):
+            o_jc = j0 + o_j
+            b_c = tl.load(p_c + o_jc[:, None] * BN2 + o_m[None, :], mask=(o_jc < NC)[:, None],
+                          other=0.0)  # fmt: skip
+            b_after += tl.sum(b_c, axis=0)
+
+        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
         b_dphi = tl.load(p_d, mask=m_a, other=0.0)
-        b_after = tl.load(dphi_after + (i_bh.to(tl.int64) * NC + i_c) * BN2 + o_m)
         b_rc = b_after[None, :] + tl.cumsum(b_dphi, axis=0, reverse=True)
-        b_dt = tl.load(dt + i_bh.to(tl.int64) * T + o_tc, mask=m_t, other=0.0)
-        p_a = angles + i_b.to(tl.int64) * s_ab + i_h * s_ah
+        if i_c == 0:
+            tl.store(dphi0 + i_bh * S + o_m, tl.sum(tl.where(o_t[:, None] == 0, b_rc, 0.0), 0),
+                     mask=m_s)  # fmt: skip
+        o_s = i_bh * T
+        b_dt = tl.load(dt + o_s + o_tc, mask=m_t, other=0.0)
+        p_a = angles + i_b * s_ab + i_h * s_ah
         b_th = tanh(tl.load(p_a + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0))
         tl.store(p_d, b_rc * b_dt[:, None] * PI * (1.0 - b_th * b_th), mask=m_a)
         b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
-        tl.store(ddt + i_bh.to(tl.int64) * T + o_tc, b_ddt, mask=m_t)
+
+        b_lam = sigmoid(tl.load(trap + o_s + o_tc, mask=m_t, other=0.0))
+        b_dw = tl.load(dw + o_s + o_tc, mask=m_t, other=0.0)
+        b_dcur = tl.load(dcur + o_s + o_tc, mask=m_t, other=0.0)
+        b_dwp = tl.load(dw + o_s + o_tc - 1, mask=m_t & (o_tc > 0), other=0.0)
+        b_ddt += b_lam * (b_dw + b_dcur) + (1.0 - b_lam) * b_dwp
+        tl.store(ddt + o_s + o_tc, b_ddt, mask=m_t)
+        b_dtrap = b_dt * (b_dw + b_dcur - b_dwp) * b_lam * (1.0 - b_lam)
+        tl.store(dtrap + o_s + o_tc, b_dtrap, mask=m_t)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
              dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig]):  # fmt: skip
     """Launch the three kernels. Returns the gradients of every input of the forward kernel:
-    dq, dk (b, t, g, n) fp32, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd (h,),
-    dphi0 (b, h, s), dg0 (b, h, p, n)."""
+    dq, dk (b, t, g, n) (the dot dtype, or fp32 when summed over a group's heads), dv, dz, dadt,
+    ddt, dtrap, dq_bias, dk_bias, dangles, dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n)."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
@@ -363,8 +389,11 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
     # 2. Every chunk's gradients, one (chunk, batch, head) per program.
-    dq = torch.empty(b, t, h, n, **f32)
-    dk = torch.empty(b, t, h, n, **f32)
+    # Per-head dq, dk in the dot dtype: the autograd Function returns them in it, and for
+    # grouped q, k the per-head partials are summed in fp32 from values rounded once each
+    # (half the bytes of fp32 partials, written here and read by the sum).
+    dq = torch.empty(b, t, h, n, dtype=v.dtype, device=dev)
+    dk = torch.empty(b, t, h, n, dtype=v.dtype, device=dev)
     dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
     dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
@@ -384,23 +413,15 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
     del dg_out, do
     if hpg > 1:
-        dq, dk = (x.view(b, t, g, hpg, n).sum(3) for x in (dq, dk))
+        dq, dk = (x.view(b, t, g, hpg, n).sum(3, dtype=torch.float32) for x in (dq, dk))
 
-    # 3. The sum of dΦ over the later chunks (and the final angle's gradient), chunk by chunk.
-    dphi_t = F.pad(dphi_t.reshape(b * h, 1, s), (0, BN2 - s))
-    suffix = dphi_c.flip(1).cumsum(1).flip(1)
-    dphi_after = (suffix - dphi_c + dphi_t).contiguous()
-    dphi0 = (suffix[:, 0, :s] + dphi_t[:, 0, :s]).reshape(b, h, s)
-    ddt = torch.empty(b, h, t, **f32)
-    args = (dt, angles, dangles, dphi_after, ddt, t, nc, h, s, *a_strides)
-    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * h), args, dict(BT=BT, BN2=BN2),
-           cfgs["bwd_angle"])  # fmt: skip
-
-    # Trapezoid chain rule: w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1}, cur_u = λ_uΔ_u.
-    lam = torch.sigmoid(trap)
-    dw_prev = F.pad(dw[..., :-1], (1, 0))
-    ddt = ddt + lam * (dw + dcur) + (1.0 - lam) * dw_prev
-    dtrap = dt * (dw + dcur - dw_prev) * lam * (1.0 - lam)
+    # 3. The angle gradients and the trapezoid chain rule, chunk by chunk.
+    ddt, dtrap = torch.empty(b, h, t, **f32), torch.empty(b, h, t, **f32)
+    dphi0 = torch.empty(b, h, s, **f32)
+    args = (dt, trap, angles, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc, h, s,
+            *a_strides)  # fmt: skip
+    flags = dict(BT=BT, BN2=BN2, BNC=min(64, triton.next_power_of_2(nc)))
+    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * h), args, flags, cfgs["bwd_angle"])
     dd_h = dd.sum((0, 1)) if d is not None else None
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dqb.sum((0, 1)), dkb.sum((0, 1)), dangles, dd_h,
             dphi0, dg0)  # fmt: skip
