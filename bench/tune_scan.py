@@ -31,7 +31,7 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
                    C(4, 2, bv=16), C(4, 1, 128), C(4, 2, 128)],
     # maxnreg 168 / 128: three / four programs an SM instead of two (ncu: latency-bound at 12%
-    # occupancy), for 212 / 528 B of spills a thread against none (sm_90, ptxas).
+    # occupancy), for 196 / 472 B of spills a thread against none (sm_90, ptxas).
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
