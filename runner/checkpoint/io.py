@@ -489,7 +489,7 @@ def load_checkpoint(
     digests (only presence and sizes with ``hashes_checked``, for a checkpoint that
     `latest_complete`/`find_step` has just verified: hashing 5 GB twice costs seconds).
     CheckpointError if it is torn or corrupt. optim.pt is read with
-    torch.load(weights_only=True)."""
+    torch.load(weights_only=True), memory-mapped."""
     import pickle
 
     import torch
@@ -506,7 +506,12 @@ def load_checkpoint(
     device = str(map_location)
     try:
         model_state = load_file(str(path / MODEL_FILE), device=device)
-        optim_state = torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=True)
+        # mmap: the tensors are read from the page cache where they are used (a copy to the
+        # GPU, or in place on CPU: a private mapping, so no write reaches the file), not first
+        # copied into fresh memory, which for a 434m run's 3.5 GB of moments took seconds.
+        optim_state = torch.load(
+            path / OPTIM_FILE, map_location=map_location, weights_only=True, mmap=True
+        )
     except (OSError, pickle.UnpicklingError, RuntimeError) as e:
         raise CheckpointError(
             f"checkpoint {path} passed its hash check but could not be loaded onto "
