@@ -31,6 +31,7 @@ from runner.protocol import (
     WorkerPhase,
 )
 
+from .preimport import import_in_background
 from .trainer import NaNExcursion, StopRequested, Trainer
 
 # Filesystem errors that no restart can heal: a full disk or quota, a read-only or forbidden
@@ -53,6 +54,8 @@ def run(
     trainer = None
     try:
         cfg = load_config(config, overrides)
+        if cfg.train.compile:
+            import_in_background()  # dynamo and inductor, while the setup waits on GPU and disk
         frozen = Path(run_dir) / CONFIG_FILE
         if frozen.is_file():  # every rank: a key the run was frozen without keeps its value
             cfg = keep_legacy_values(cfg, load_frozen_config(frozen))
