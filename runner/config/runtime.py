@@ -28,8 +28,10 @@ class SupervisorConfig(_Section):
     backoff_initial_s: float = Field(
         2.0,
         gt=0,
-        description="Delay from a worker's exit to the first restart (the supervisor's check "
-        "of the checkpoints it left counts toward it); doubles on each further one.",
+        description="Delay from a worker's exit to its restart when the worker before it made no "
+        "new checkpoint either (the first restart since a new checkpoint is immediate; the "
+        "supervisor's check of the checkpoints it left counts toward the delay); doubles on "
+        "each further restart in a row without one.",
     )
     backoff_max_s: float = Field(300.0, gt=0, description="Upper bound of the restart delay.")
     startup_timeout_s: float = Field(

@@ -1,5 +1,6 @@
 """When to restart a dead worker and when to give up: a budget of restarts per sliding window,
-a limit on restarts in a row without a new complete checkpoint, and exponential backoff."""
+a limit on restarts in a row without a new complete checkpoint, and exponential backoff from the
+second restart in a row without one (the first is immediate)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,13 @@ class RestartPolicy:
                 f"{s.no_progress_restarts}); last failure: {failure}. Read "
                 f"{worker_log}, fix the cause and relaunch"
             )
-        delay = min(s.backoff_max_s, s.backoff_initial_s * 2**self.since_progress)
+        # The first restart since the last new checkpoint is immediate: one crash is not a loop.
+        # Each further one in a row waits twice as long as the one before, from backoff_initial_s.
+        delay = (
+            0.0
+            if self.since_progress == 0
+            else min(s.backoff_max_s, s.backoff_initial_s * 2 ** (self.since_progress - 1))
+        )
         self._times.append(now)
         self.since_progress += 1
         return Restart(time=now, backoff_s=delay, in_window=len(recent) + 1)

@@ -94,7 +94,7 @@ def test_crash_is_restarted_from_latest_checkpoint(tmp_path, standin):
     (restart,) = state["restarts"]
     assert restart["exit_code"] == 1 and "crashed (exit 1)" in restart["reason"]
     assert restart["resume_step"] == 2
-    assert restart["backoff_s"] == pytest.approx(0.05)
+    assert restart["backoff_s"] == 0.0  # the first restart since a new checkpoint: at once
     assert events_named(events, "restart")[0]["kind"] == "crash"
     assert all(e["settle_s"] >= 0 for e in events_named(events, "worker_exit"))
     # The supervisor recorded its hash check of step 2 before the restart: the record a
@@ -110,7 +110,8 @@ def test_the_backoff_counts_from_the_exit_so_a_slow_checkpoint_check_is_part_of_
     tmp_path, standin, monkeypatch
 ):
     """The supervisor's hash of what the dead worker left (1.5 s here, made slow on purpose)
-    overlaps the 2 s backoff instead of being added to it."""
+    overlaps the 2 s backoff instead of being added to it (the second crash in a row without a
+    new checkpoint: the first restart is immediate)."""
     settle = CheckpointTracker.settle
 
     def slow_settle(self):
@@ -119,15 +120,16 @@ def test_the_backoff_counts_from_the_exit_so_a_slow_checkpoint_check_is_part_of_
 
     monkeypatch.setattr(CheckpointTracker, "settle", slow_settle)
     run_dir = make_run(
-        tmp_path, [{"steps": 3, "ckpt_every": 2, "exit": 1}, {"steps": 1, "exit": 0}]
+        tmp_path, [{"steps": 1, "exit": 1}, {"steps": 1, "exit": 1}, {"steps": 1, "exit": 0}]
     )
     code, _, events = supervise(run_dir, standin, backoff_initial_s=2.0, backoff_max_s=2.0)
     assert code == EXIT_OK
-    (restart,) = events_named(events, "restart")
+    first, restart = events_named(events, "restart")
+    assert first["backoff_s"] == 0.0
     assert restart["backoff_s"] == 2.0 and restart["wait_s"] < 1.0
     exited, started = (
-        events_named(events, "worker_exit")[0],
-        events_named(events, "worker_start")[1],
+        events_named(events, "worker_exit")[1],
+        events_named(events, "worker_start")[2],
     )
     # the exit event comes after the settle; from there only the rest of the backoff is waited
     assert started["time"] - exited["time"] < 1.5
@@ -141,8 +143,8 @@ def test_always_crashing_worker_backs_off_then_exits_70(tmp_path, standin):
     assert "no progress: 3 restarts in a row without a new complete checkpoint" in state["reason"]
     assert "supervisor.no_progress_restarts=3" in state["reason"]
     assert len(attempts(run_dir)) == 4
-    # Exponential backoff: 0.05, 0.1, 0.2 (capped at 0.4).
-    assert [r["backoff_s"] for r in state["restarts"]] == pytest.approx([0.05, 0.1, 0.2])
+    # At once, then exponential backoff: 0.05, 0.1 (capped at 0.4).
+    assert [r["backoff_s"] for r in state["restarts"]] == pytest.approx([0.0, 0.05, 0.1])
     assert events[-1]["event"] == "failed" and events[-1]["exit_code"] == EXIT_SOFTWARE
 
 
@@ -154,8 +156,8 @@ def test_restart_budget_per_window(tmp_path, standin):
     assert "restart budget spent: 2 restarts in the last 60s" in state["reason"]
     assert "supervisor.max_restarts=2" in state["reason"]
     assert len(attempts(run_dir)) == 3
-    # Progress resets the backoff: every restart waited the initial delay.
-    assert [r["backoff_s"] for r in state["restarts"]] == pytest.approx([0.05, 0.05])
+    # Progress resets the backoff: every restart was immediate.
+    assert [r["backoff_s"] for r in state["restarts"]] == [0.0, 0.0]
 
 
 def test_bad_config_exit_78_is_never_restarted(tmp_path, standin):
@@ -402,7 +404,17 @@ def test_stop_during_backoff_needs_no_worker(tmp_path, standin):
         argv_for(standin, run_dir),
         handle_signals=False,
     )
-    _request_later(sup, 1.0, "user", "test stop")
+
+    def stop_in_the_backoff():  # the second restart in a row waits 30 s
+        wait_for(
+            lambda: any(e["event"] == "restart" and e["backoff_s"] == 30.0
+                        for e in read_jsonl(run_dir / EVENTS_FILE)),
+            timeout=60,
+            what="a restart that waits 30 s",
+        )  # fmt: skip
+        sup.request_stop("user", "test stop")
+
+    threading.Thread(target=stop_in_the_backoff, daemon=True).start()
     t0 = time.monotonic()
     assert sup.run() == EXIT_OK
     assert time.monotonic() - t0 < 10
