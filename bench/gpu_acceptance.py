@@ -9,8 +9,8 @@
    preemption watcher pointed at a fake cloud metadata server on 127.0.0.1
    (`supervisor.preemption_provider` and `supervisor.metadata_url`; the server is the tests' own,
    tests/helpers/metadata_server.py);
-3. once a checkpoint is complete and the run is half-way to the next one, SIGKILLs the worker:
-   the supervisor must restart it from that checkpoint;
+3. once a checkpoint is complete, the supervisor has verified it, and the run is half-way to the
+   next one, SIGKILLs the worker: the supervisor must restart it from that checkpoint;
 4. a few steps into the restarted worker, the metadata server announces a preemption: the
    worker must save a checkpoint and exit 75, and the supervisor exit 75;
 5. the notice withdrawn (a rescheduled job lands on a VM without one), the same launch again:
@@ -231,6 +231,15 @@ def main() -> int:
             deadline,
             on_poll=beats.poll,
         )
+        # ... and verified by the supervisor, as every checkpoint is but in the seconds after it
+        # completes (5 GB of sha256): a crash at a random step finds no hash in flight.
+        sv.wait_for(
+            f"the supervisor's verification of checkpoint {ckpt}",
+            lambda: _verified(run_dir, ckpt),
+            launch,
+            deadline,
+            on_poll=beats.poll,
+        )
         mid = ckpt + max(1, interval // 2)
         sv.wait_for(
             f"step {mid}", lambda: _at_step(beats, mid), launch, deadline, on_poll=beats.poll
@@ -340,6 +349,11 @@ def main() -> int:
         save()
     print(f"report: {a.out / 'gpu_acceptance.md'}")
     return code
+
+
+def _verified(run_dir: Path, step: int) -> bool:
+    """Whether the supervisor has logged checkpoint ``step`` as verified complete (sha256)."""
+    return any(e.get("event") == "checkpoint" and e.get("step") == step for e in sv.events(run_dir))
 
 
 def _at_step(beats: Heartbeats, step: int) -> int | None:
