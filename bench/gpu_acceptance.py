@@ -231,11 +231,10 @@ def main() -> int:
             deadline,
             on_poll=beats.poll,
         )
-        # ... and verified by the supervisor, as every checkpoint is but in the seconds after it
-        # completes (5 GB of sha256): a crash at a random step finds no hash in flight.
+        # ... and verified by the supervisor (see sv.verified_by_supervisor).
         sv.wait_for(
             f"the supervisor's verification of checkpoint {ckpt}",
-            lambda: _verified(run_dir, ckpt),
+            lambda: sv.verified_by_supervisor(run_dir, ckpt),
             launch,
             deadline,
             on_poll=beats.poll,
@@ -349,11 +348,6 @@ def main() -> int:
         save()
     print(f"report: {a.out / 'gpu_acceptance.md'}")
     return code
-
-
-def _verified(run_dir: Path, step: int) -> bool:
-    """Whether the supervisor has logged checkpoint ``step`` as verified complete (sha256)."""
-    return any(e.get("event") == "checkpoint" and e.get("step") == step for e in sv.events(run_dir))
 
 
 def _at_step(beats: Heartbeats, step: int) -> int | None:

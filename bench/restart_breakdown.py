@@ -8,7 +8,8 @@ On one GPU it prepares a corpus from this Python's standard library sources (no 
 launches the A100 recipe as a short run on it the way a user does (`m3run launch
 configs/pretrain_a100_434m.yaml --set …`: health gate, smoke test, the worker under the
 supervisor), and waits for the first completed step. Then, for each restart asked for, it waits
-for a complete checkpoint newer than the one last loaded, SIGKILLs the worker, and waits for the
+for a complete checkpoint newer than the one last loaded and for the supervisor's verification
+of it (sha256; a crash at a random step finds it done), SIGKILLs the worker, and waits for the
 restarted worker's first completed step. A `cold` restart empties the compile caches
 (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR) right after the kill; a `warm` one keeps what
 the earlier processes compiled. The caches start empty (a fresh directory, so the launch is a
@@ -103,6 +104,12 @@ def main() -> int:
             step = sv.wait_for(
                 f"a complete checkpoint newer than step {loaded}",
                 lambda last=loaded: sv.newer_checkpoint(run_dir, last),
+                launch,
+                deadline,
+            )
+            sv.wait_for(
+                f"the supervisor's verification of checkpoint {step}",
+                lambda s=step: sv.verified_by_supervisor(run_dir, s),
                 launch,
                 deadline,
             )

@@ -325,6 +325,16 @@ def steady_step(run_dir: Path, start: dict, launch: Launch, deadline: float,
     return steady(times[:STEADY_STEPS])
 
 
+def verified_by_supervisor(run_dir: Path, step: int) -> int | None:
+    """``step`` once the supervisor has logged that checkpoint verified complete (sha256),
+    else None. It hashes every new checkpoint in the seconds after it completes; a kill before
+    that measures a restart that waits for the hash, which a crash at a random step does not."""
+    for e in events(run_dir):
+        if e.get("event") == "checkpoint" and e.get("step") == step:
+            return step
+    return None
+
+
 def newer_checkpoint(run_dir: Path, than: int | None) -> int | None:
     steps = [s for s in complete_steps(run_dir) if than is None or s > than]
     return steps[-1] if steps else None
