@@ -28,10 +28,10 @@ class SupervisorConfig(_Section):
     backoff_initial_s: float = Field(
         2.0,
         gt=0,
-        description="Delay from a worker's exit to its restart when the worker before it made no "
-        "new checkpoint either (the first restart since a new checkpoint is immediate; the "
-        "supervisor's check of the checkpoints it left counts toward the delay); doubles on "
-        "each further restart in a row without one.",
+        description="Delay before the second restart in a row without a new complete "
+        "checkpoint, from the worker's exit (the supervisor's check of the checkpoints it left "
+        "counts toward it); doubles on each further one. The first restart, of the launch or "
+        "since a new checkpoint, is immediate.",
     )
     backoff_max_s: float = Field(300.0, gt=0, description="Upper bound of the restart delay.")
     startup_timeout_s: float = Field(

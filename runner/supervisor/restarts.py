@@ -55,8 +55,9 @@ class RestartPolicy:
                 f"{s.no_progress_restarts}); last failure: {failure}. Read "
                 f"{worker_log}, fix the cause and relaunch"
             )
-        # The first restart since the last new checkpoint is immediate: one crash is not a loop.
-        # Each further one in a row waits twice as long as the one before, from backoff_initial_s.
+        # The first restart (of this launch, or since the last new checkpoint) is immediate: one
+        # crash is not a loop. Each further one in a row waits twice as long as the one before,
+        # from backoff_initial_s.
         delay = (
             0.0
             if self.since_progress == 0

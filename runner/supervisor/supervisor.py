@@ -13,9 +13,9 @@ in its own process group (worker) and watches it:
   near capacity (hang.VramWatch);
 * every new checkpoint is verified complete (sha256) in a background thread (checkpoints).
 
-Restart policy (restarts): the first restart since a new complete checkpoint is immediate,
-each further one in a row waits ``backoff_initial_s`` doubling up to ``backoff_max_s``, counted
-from the worker's exit; at most ``max_restarts`` restarts per
+Restart policy (restarts): the first restart (of the launch, or since a new complete
+checkpoint) is immediate, each further one in a row waits ``backoff_initial_s`` doubling up to
+``backoff_max_s``, counted from the worker's exit; at most ``max_restarts`` restarts per
 ``restart_window_s``; ``no_progress_restarts`` restarts in a row without a new complete
 checkpoint end the run (exit 70). Exit 76 restarts from the checkpoint before the latest one
 with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for consecutive exits
