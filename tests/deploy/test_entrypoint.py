@@ -134,6 +134,32 @@ def test_signals_reach_m3run_and_its_exit_code_comes_back(box, sig):
     assert proc.returncode == 0, err  # no M3RUN_SIGNAL_EXIT: a stop is a stop
 
 
+def test_a_signal_between_the_fork_and_knowing_the_childs_pid_is_forwarded(box, tmp_path):
+    """The shell runs a trap between two commands, so one for a signal that arrives right after
+    `m3run &` forks finds no pid to forward to yet. A copy of the entrypoint that sleeps there
+    holds that window open while the stand-in starts: the signal must still reach m3run."""
+    d, env = box
+    text = ENTRYPOINT.read_text()
+    assert text.count('m3run "$@" &\n') == 1
+    slow = tmp_path / "entrypoint"
+    slow.write_text(text.replace('m3run "$@" &\n', 'm3run "$@" &\nsleep 1\n'))
+    proc = subprocess.Popen(
+        ["/bin/sh", str(slow), "launch", "cfg.yaml"],
+        env={**env, "STANDIN_MODE": "wait", "STANDIN_EXIT": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while not (d / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert (d / "signal").read_text() == "SIGINT"
+    assert proc.returncode == 0, err
+
+
 def test_signal_exit_turns_a_platform_stop_into_a_reschedule(box):
     d, env = box
     proc = _start_waiting(env, d, STANDIN_EXIT="0", M3RUN_SIGNAL_EXIT=str(EXIT_STOPPED))
