@@ -56,6 +56,19 @@ def box(tmp_path):
     return tmp_path, env
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _signals_as_tini_leaves_them() -> None:
+    """In the child before exec: SIGINT, SIGTERM and SIGHUP at their defaults and unblocked, as
+    tini starts the entrypoint in the image. The test process may carry them ignored or blocked
+    (a library's doing, inherited across fork and exec), and sh cannot trap a signal ignored on
+    entry: that would test the harness, not the wrapper."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
 def run(env: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["/bin/sh", str(ENTRYPOINT), *args],
@@ -63,7 +76,26 @@ def run(env: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=30,
+        preexec_fn=_signals_as_tini_leaves_them,
     )
+
+
+def _spawn(script: Path, env: dict, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["/bin/sh", str(script), "launch", "cfg.yaml"],
+        env={**env, "STANDIN_MODE": "wait", **extra},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_signals_as_tini_leaves_them,
+    )
+
+
+def _wait_ready(proc: subprocess.Popen, d: Path) -> None:
+    deadline = time.monotonic() + 20
+    while not (d / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
 
 
 def calls(d: Path) -> list[str]:
@@ -110,17 +142,8 @@ def test_non_launch_commands_are_plain_m3run(box):
 
 
 def _start_waiting(env: dict, d: Path, **extra: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        ["/bin/sh", str(ENTRYPOINT), "launch", "cfg.yaml"],
-        env={**env, "STANDIN_MODE": "wait", **extra},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 20
-    while not (d / "ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
+    proc = _spawn(ENTRYPOINT, env, **extra)
+    _wait_ready(proc, d)
     return proc
 
 
@@ -143,17 +166,8 @@ def test_a_signal_between_the_fork_and_knowing_the_childs_pid_is_forwarded(box, 
     assert text.count('m3run "$@" &\n') == 1
     slow = tmp_path / "entrypoint"
     slow.write_text(text.replace('m3run "$@" &\n', 'm3run "$@" &\nsleep 1\n'))
-    proc = subprocess.Popen(
-        ["/bin/sh", str(slow), "launch", "cfg.yaml"],
-        env={**env, "STANDIN_MODE": "wait", "STANDIN_EXIT": "0"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 20
-    while not (d / "ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
+    proc = _spawn(slow, env, STANDIN_EXIT="0")
+    _wait_ready(proc, d)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
     assert (d / "signal").read_text() == "SIGINT"
