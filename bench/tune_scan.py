@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import pprint
 from pathlib import Path
 
 import torch
@@ -99,18 +98,45 @@ def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
     return total, best
 
 
-def write_table(path: Path, arch: str, key: str, entry: dict) -> None:
-    """Merge one (arch, key) entry into the table module, keeping its docstring."""
-    src = path.read_text()
+def read_table(src: str) -> tuple[str, dict]:
+    """The table module's docstring and TABLE."""
     tree = ast.parse(src)
-    doc = ast.get_docstring(tree) or ""
     table = {}
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "TABLE":
             table = ast.literal_eval(node.value)
+    return ast.get_docstring(tree, clean=False) or "", table
+
+
+def render_table(doc: str, table: dict) -> str:
+    """The table module's source, laid out as ruff format leaves it (sorted keys, one launch
+    configuration a line), so a re-tuned table is checked in as written."""
+
+    def value(v) -> str:
+        return f'"{v}"' if isinstance(v, str) else repr(v)
+
+    lines = [f'"""{doc}"""', "", "TABLE: dict[str, dict[str, dict[str, dict]]] = {"]
+    for arch in sorted(table):
+        lines.append(f'    "{arch}": {{')
+        for key in sorted(table[arch]):
+            lines.append(f'        "{key}": {{')
+            for name, item in sorted(table[arch][key].items()):
+                if isinstance(item, dict):
+                    fields = ", ".join(f'"{k}": {value(v)}' for k, v in sorted(item.items()))
+                    lines.append(f'            "{name}": {{{fields}}},')
+                else:
+                    lines.append(f'            "{name}": {value(item)},')
+            lines.append("        },")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(path: Path, arch: str, key: str, entry: dict) -> None:
+    """Merge one (arch, key) entry into the table module, keeping its docstring."""
+    doc, table = read_table(path.read_text())
     table.setdefault(arch, {})[key] = entry
-    body = pprint.pformat(table, width=96, sort_dicts=True)
-    path.write_text(f'"""{doc}\n"""\n\nTABLE: dict[str, dict[str, dict[str, dict]]] = {body}\n')
+    path.write_text(render_table(doc, table))
 
 
 def main() -> None:

@@ -32,5 +32,5 @@ TABLE: dict[str, dict[str, dict[str, dict]]] = {
             "chunk": 32,
             "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4},
         },
-    }
+    },
 }

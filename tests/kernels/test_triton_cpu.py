@@ -72,6 +72,25 @@ def test_every_launch_configuration_fits_the_architecture(interpreted, arch):
     assert not errors, errors
 
 
+def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkeypatch):
+    """bench/tune_scan.py renders the checked-in launch table byte for byte (so what it writes is
+    what `ruff format --check` accepts), and an entry it merges reads back beside the others."""
+    monkeypatch.syspath_prepend(str(HERE.parents[1] / "bench"))
+    import tune_scan
+
+    table_file = HERE.parents[1] / "kernels" / "mamba3" / "launch_table.py"
+    src = table_file.read_text()
+    doc, table = tune_scan.read_table(src)
+    assert table and tune_scan.render_table(doc, table) == src
+    copy = tmp_path / "launch_table.py"
+    copy.write_text(src)
+    entry = {"chunk": 32, "fwd": {"bv": 0, "maxnreg": None, "num_stages": 2, "num_warps": 4}}
+    tune_scan.write_table(copy, "sm80", "c32-p64-n64-bf16", entry)
+    doc2, merged = tune_scan.read_table(copy.read_text())
+    assert doc2 == doc and merged["sm80"] == {"c32-p64-n64-bf16": entry}
+    assert {k: v for k, v in merged.items() if k != "sm80"} == table
+
+
 def test_kernels_in_the_interpreter_match_the_reference(interpreted):
     worst = _worst(interpreted, "fp32")
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}
