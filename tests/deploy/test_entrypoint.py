@@ -61,9 +61,9 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def _signals_as_tini_leaves_them() -> None:
     """In the child before exec: SIGINT, SIGTERM and SIGHUP at their defaults and unblocked, as
-    tini starts the entrypoint in the image. The test process may carry them ignored or blocked
-    (a library's doing, inherited across fork and exec), and sh cannot trap a signal ignored on
-    entry: that would test the harness, not the wrapper."""
+    the entrypoint finds them in a fresh container under tini. The test process may carry them
+    ignored or blocked (a library's doing, inherited across fork and exec), and sh cannot trap a
+    signal ignored on entry: that would test the harness, not the wrapper."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
