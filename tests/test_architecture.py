@@ -25,6 +25,7 @@ TORCH_FREE = (
     "runner.config",
     "runner.runstate",
     "runner.cli",
+    "runner.plot",
     "runner.checkpoint.layout",
 )
 MAX_FILE_LINES = 900
