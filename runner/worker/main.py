@@ -54,14 +54,15 @@ def run(
     trainer = None
     try:
         cfg = load_config(config, overrides)
-        if cfg.train.compile:
-            import_in_background()  # dynamo and inductor, while the setup waits on GPU and disk
+        # dynamo and inductor, while the setup waits on the GPU and the disk
+        compile_stack = import_in_background() if cfg.train.compile else None
         frozen = Path(run_dir) / CONFIG_FILE
         if frozen.is_file():  # every rank: a key the run was frozen without keeps its value
             cfg = keep_legacy_values(cfg, load_frozen_config(frozen))
         if not (lr_scale > 0):
             raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
-        trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale)
+        trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale,
+                          compile_stack=compile_stack)  # fmt: skip
         trainer.startup_times["imported"] = imported
         signal.signal(signal.SIGTERM, trainer._on_signal)
         signal.signal(signal.SIGINT, trainer._on_signal)

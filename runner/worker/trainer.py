@@ -36,6 +36,7 @@ from .checkpointing import Checkpointer
 from .dist import Dist
 from .faults import Faults
 from .ownership import claim_run_dir
+from .preimport import DYNAMO, CompileStack
 from .resume import Resume
 from .telemetry import Pace, Telemetry
 
@@ -60,12 +61,16 @@ class Trainer:
         resume: str = "latest",
         force: bool = False,
         lr_scale: float = 1.0,
+        compile_stack: CompileStack | None = None,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.force = force
         self.lr_scale_arg = lr_scale
+        # torch's compile stack being imported on a thread (preimport.py): the setup waits for
+        # each part before its own first use of it.
+        self.compile_stack = compile_stack
         self.faults = Faults.from_env()
         self.stop_signal: int | None = None
         self.step = 0
@@ -122,6 +127,8 @@ class Trainer:
         if self.dist.writer:
             self._ownership = claim_run_dir(self.run_dir)
             freeze_config(cfg, self.run_dir, self.force)
+        if t.deterministic:
+            self._imported()  # its switches import inductor: the whole stack first
         determinism = set_determinism(t.deterministic)
         if determinism and self.dist.writer:
             print(determinism, flush=True)
@@ -139,6 +146,7 @@ class Trainer:
         self.model.activation_checkpointing = t.activation_checkpointing
         self.n_params = self.model.num_params()
         marks["model_init"] = time.time()
+        self._imported(DYNAMO)
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
         marks["model_built"] = time.time()
         self.loader = train_loader(
@@ -174,6 +182,7 @@ class Trainer:
         self.resumed_from = self.checkpointer.resumed_from = resumer.run()
         marks["resume_end"] = time.time()
         self.lr_scale *= self.lr_scale_arg
+        self._imported()  # DDP and torch.compile reach into inductor
         self.ddp_model = self.model
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -191,6 +200,10 @@ class Trainer:
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
         marks["setup_end"] = time.time()
+
+    def _imported(self, module: str | None = None) -> None:
+        if self.compile_stack is not None:
+            self.compile_stack.wait(module)
 
     # ---- the loop ----
 
