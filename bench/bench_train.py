@@ -8,9 +8,9 @@ For each micro-batch size it builds the worker exactly as `m3run train` does (mo
 linear cross-entropy, AdamW, accumulation, bf16 autocast, torch.compile) from the A100 recipe,
 times the first step (compilation) on its own, runs the other warm-up steps, then times
 optimizer steps and prints tokens/s, MFU against the bf16 matmul peak measured in the same run,
-peak memory, and (with --profile) a breakdown of GPU time by kind of kernel. Data comes from a
-small corpus prepared on the spot with the recipe's sequence length, so the data path is the
-real one too.
+peak memory, and (with --profile [N]) a breakdown of GPU time by kind of kernel and the N
+kernels that take most. Data comes from a small corpus prepared on the spot with the recipe's
+sequence length, so the data path is the real one too.
 
 --anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
@@ -101,7 +101,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_one(cfg, steps: int, warmup: int, profile: bool, peak: float | None) -> dict:
+def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) -> dict:
     from runner.worker.trainer import Trainer
 
     micro = cfg.train.micro_batch_size
@@ -176,6 +176,7 @@ def bench_one(cfg, steps: int, warmup: int, profile: bool, peak: float | None) -
         total = sum(by_cat.values()) or 1.0
         result["gpu_time_breakdown"] = {k: round(v / total, 4) for k, v in sorted(by_cat.items())}
         result["gpu_ms_per_step"] = total / 1e3
+        result["top_kernels"] = top_kernels(p.key_averages(), profile)
     trainer.close()
     del trainer
     # Compiled graphs and their caches go too: the next model (another micro-batch, the
@@ -185,6 +186,17 @@ def bench_one(cfg, steps: int, warmup: int, profile: bool, peak: float | None) -
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def top_kernels(averages, n: int) -> list[dict]:
+    """The ``n`` kernels with the most GPU time in one profiled step: name, kind, ms, launches."""
+    rows = []
+    for evt in averages:
+        us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": evt.key[:120], "kind": categorise(evt.key),
+                         "ms": round(us / 1e3, 3), "calls": evt.count})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms"])[:n]
 
 
 def line(r: dict) -> str:
@@ -263,7 +275,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps, the first included")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        nargs="?",
+        const=20,
+        default=0,
+        metavar="N",
+        help="profile one step: GPU time by kind and the N kernels that take most (default 20)",
+    )
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "pytorch"])
     ap.add_argument("--anchor", action="store_true", help="also the official-module LM")
     ap.add_argument(
@@ -343,6 +363,9 @@ def main() -> None:
             print(line(res), flush=True)
             if "gpu_time_breakdown" in res:
                 print("   GPU time:", json.dumps(res["gpu_time_breakdown"]))
+                print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time in the step; top kernels:")
+                for k in res["top_kernels"]:
+                    print(f"   {k['ms']:9.3f} ms {k['calls']:5d}× {k['kind']:18} {k['kernel']}")
             return res
 
         # The anchor's import fails before minutes are spent on ours.
