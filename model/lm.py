@@ -95,15 +95,17 @@ class Mamba3LM(nn.Module):
         """The tied LM head: the embedding rows of real tokens (padding rows never get logits)."""
         return self.embedding.weight[: self.config.vocab_size]
 
-    def compile_blocks(self, **compile_kwargs) -> None:
-        """torch.compile each block in place (regional compilation). The blocks share one
-        forward and differ only in their parameters, which the compiled graph takes as inputs,
-        so the first block's graph serves every layer: a cold start traces and compiles one
-        block, not the stack. The loss is compiled too (its softmax fused); the embedding and
-        the final norm stay eager."""
+    def compile_blocks(self, mode: str | None = None, backend: str = "inductor") -> None:
+        """torch.compile each block in place (regional compilation): under inductor with
+        ``mode`` and :func:`compile_options`, or another ``backend`` (tests). The blocks share
+        one forward and differ only in their parameters, which the compiled graph takes as
+        inputs, so the first block's graph serves every layer: a cold start traces and compiles
+        one block, not the stack. The loss is compiled too (its softmax fused); the embedding
+        and the final norm stay eager."""
+        kwargs = {"options": compile_options(mode)} if backend == "inductor" else {}
         for block in self.layers:
-            block.compile(**compile_kwargs)
-        self.loss_fn = torch.compile(linear_cross_entropy, **compile_kwargs)
+            block.compile(backend=backend, **kwargs)
+        self.loss_fn = torch.compile(linear_cross_entropy, backend=backend, **kwargs)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -209,6 +211,18 @@ class Mamba3LM(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def compile_options(mode: str | None = None) -> dict:
+    """Inductor's options for this model under torch.compile ``mode`` (None: the default): the
+    mode's own, and no padding of row strides. in_proj's output rows (z, x, B, C, Δ, A, λ, θ:
+    4,336 columns at the 434m preset) are not a multiple of 128 bytes, so inductor would pad
+    them to 4,352 and then copy x and z back to the traced strides for the scan kernels, whose
+    strides it cannot change: four copies of a (b, t, d_inner) tensor per layer and micro-batch
+    (15 ms of a 505 ms step on an H200, docs/benchmarks.md)."""
+    from torch._inductor import list_mode_options
+
+    return {**(list_mode_options(mode) if mode else {}), "comprehensive_padding": False}
+
+
 def document_starts(idx: Tensor, eos_id: int) -> Tensor:
     """The scan's reset mask (b, t) for packed token ids (b, t): True on every token after an
     ``eos_id`` (a document's first token), False on token 0 (the window's state starts at zero)."""
@@ -265,4 +279,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-__all__ = ["IGNORE_INDEX", "Mamba3LM", "document_starts", "param_groups", "sample"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Mamba3LM",
+    "compile_options",
+    "document_starts",
+    "param_groups",
+    "sample",
+]

@@ -1,5 +1,5 @@
-"""Triton backward of the Mamba-3 SISO scan: three kernels and no atomics, so two calls on the
-same inputs give bitwise-equal gradients.
+"""Triton backward of the Mamba-3 SISO scan: three kernels (a fourth sums grouped q, k over
+their heads) and no atomics, so two calls on the same inputs give bitwise-equal gradients.
 
 The only sequential dependency of the backward is the gradient ``dG`` of the augmented state
 between chunks (p × n, fp32): ``dG_in = exp(A_L)·dG_out + (exp(A) ⊙ do)ᵀ q̄``. One small kernel
@@ -24,7 +24,7 @@ chunk-parallel kernel does all of them.
    bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
    of the rotated frame goes to memory; ``dq, dk`` are written per head in the dot dtype and,
-   for grouped q and k, summed over the group's heads in PyTorch (fp32 accumulation).
+   for grouped q and k, summed over the group's heads by kernel 4 (fp32 accumulation).
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
@@ -33,7 +33,12 @@ chunk-parallel kernel does all of them.
    chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (a shift by one token, read across the
    chunk boundary).
 
-What stays in PyTorch: the sums of the bias, ``d`` and per-head ``dq, dk`` partials.
+4. ``siso_bwd_head_sum_kernel`` (grouped q, k only; grid: row blocks × 2): each group's
+   per-head ``dq, dk`` summed over its heads in fp32, in head order. A streaming kernel with a
+   fixed launch (no table entry). Left to PyTorch inside a compiled block, inductor's reduction
+   over the strided head axis read the partials at under a third of the bandwidth this does.
+
+What stays in PyTorch: the sums of the bias and ``d`` partials.
 """
 
 from __future__ import annotations
@@ -354,6 +359,41 @@ if triton is not None:
         b_dtrap = b_dt * (b_dw + b_dcur - b_dwp) * b_lam * (1.0 - b_lam)
         tl.store(dtrap + o_s + o_tc, b_dtrap, mask=m_t)
 
+    @triton.jit
+    def siso_bwd_head_sum_kernel(dq, dk, sq, sk, R, HPG, N, BR: tl.constexpr, BN: tl.constexpr):
+        """Rows i_r·BR.. of (R, HPG, N) per-head partials (dq for program_id(1) = 0, else dk)
+        summed over HPG heads, in order, into (R, N) fp32."""
+        i_r, which = tl.program_id(0), tl.program_id(1)
+        o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
+        o_n = tl.arange(0, BN)
+        m = (o_r < R)[:, None] & (o_n < N)[None, :]
+        if which == 0:
+            src, dst = dq, sq
+        else:
+            src, dst = dk, sk
+        p = src + o_r[:, None] * (HPG * N) + o_n[None, :]
+        acc = tl.zeros([BR, BN], dtype=tl.float32)
+        for j in range(HPG):
+            acc += tl.load(p + j * N, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst + o_r[:, None] * N + o_n[None, :], acc, mask=m)
+
+
+HEAD_SUM = LaunchConfig(num_warps=4, num_stages=1)
+HEAD_SUM_ROWS = 32
+
+
+def head_sums(dq, dk, g: int):
+    """(b, t, h, n) per-head partials of grouped q, k (h = g·hpg) → (b, t, g, n) fp32 sums."""
+    b, t, h, n = dq.shape
+    rows = b * t * g
+    sq = torch.empty(b, t, g, n, dtype=torch.float32, device=dq.device)
+    sk = torch.empty_like(sq)
+    grid = (triton.cdiv(rows, HEAD_SUM_ROWS), 2)
+    args = (dq, dk, sq, sk, rows, h // g, n)
+    flags = dict(BR=HEAD_SUM_ROWS, BN=max(16, triton.next_power_of_2(n)))
+    launch("bwd_head_sum", siso_bwd_head_sum_kernel, grid, args, flags, HEAD_SUM)
+    return sq, sk
+
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
              dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig]):  # fmt: skip
@@ -413,7 +453,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
     del dg_out, do
     if hpg > 1:
-        dq, dk = (x.view(b, t, g, hpg, n).sum(3, dtype=torch.float32) for x in (dq, dk))
+        dq, dk = head_sums(dq, dk, g)
 
     # 3. The angle gradients and the trapezoid chain rule, chunk by chunk.
     ddt, dtrap = torch.empty(b, h, t, **f32), torch.empty(b, h, t, **f32)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from model.lm import compile_options
 from runner.checkpoint import layout as ckpt
 from runner.config import RunConfig
 from runner.data.loader import WindowStream, check_vocab, eval_batches
@@ -193,7 +194,7 @@ class Trainer:
         if t.compile:
             mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
             if t.compile_scope == "model":
-                self.step_model = torch.compile(self.ddp_model, mode=mode)
+                self.step_model = torch.compile(self.ddp_model, options=compile_options(mode))
             else:  # the blocks compiled in place; DDP's hooks stay eager around them
                 self.model.compile_blocks(mode=mode)
         marks["compile_wrapped"] = time.time()
