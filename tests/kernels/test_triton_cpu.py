@@ -27,21 +27,24 @@ RUNS = {
     "bf16-1024": (("--bf16", "1024"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
     "bf16-2048": (("--bf16", "2048"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
 }
+SCRIPTS = {"opcheck": "opcheck_scan.py"}  # other interpreter runs: a script of their own
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     """Every interpreter run, started at once (they are single-threaded: on a 2-core machine the
     three take the time of the longest, not their sum); maps a name to its process."""
+    runs = {name: ("interpret_scan.py", args, env) for name, (args, env) in RUNS.items()}
+    runs |= {name: (script, (), {}) for name, script in SCRIPTS.items()}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, str(HERE / "interpret_scan.py"), *args],
+            [sys.executable, str(HERE / script), *args],
             env=dict(os.environ, TRITON_INTERPRET="1", **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for name, (args, env) in RUNS.items()
+        for name, (script, args, env) in runs.items()
     }
     yield procs
     for proc in procs.values():
@@ -106,3 +109,11 @@ def test_bf16_accuracy_at_long_sequences(interpreted, t):
     bounds = {"dangles": 4e-2}
     bad = {k: v for k, v in worst.items() if not v <= bounds.get(k, 1e-2)}
     assert not bad, f"over bound at t={t}: {bad}; all: {worst}"
+
+
+def test_the_custom_operators_compile_as_they_run_eagerly(interpreted):
+    """torch.compile (fullgraph) through the scan's forward and backward operators gives the
+    eager results bitwise, and opcheck passes their schemas and fake implementations."""
+    out, err = interpreted["opcheck"].communicate(timeout=900)
+    assert interpreted["opcheck"].returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "ok"
