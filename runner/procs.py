@@ -101,10 +101,11 @@ def spawn_logged(
     log_path: Path,
     env: dict[str, str] | None = None,
     header: str | None = None,
+    stdin: int = subprocess.DEVNULL,
 ) -> tuple[subprocess.Popen, int]:
-    """Start `argv` in a new session, stdin closed, stdout and stderr appended to `log_path`
-    (after a `--- header` line when given). Returns the process and the log offset at which
-    its output starts."""
+    """Start `argv` in a new session, stdin closed (or `subprocess.PIPE`), stdout and stderr
+    appended to `log_path` (after a `--- header` line when given). Returns the process and the
+    log offset at which its output starts."""
     with open_append(log_path, binary=True) as log_file:
         if header is not None:
             log_file.write(f"--- {header}\n".encode())
@@ -112,7 +113,7 @@ def spawn_logged(
         offset = log_file.tell()
         proc = subprocess.Popen(
             list(argv),
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,

@@ -99,6 +99,7 @@ LEGACY_VALUES: dict[str, bool | str] = {
     "data.reset_at_eos": False,
     "train.compile_scope": "model",
     "train.deterministic": False,
+    "supervisor.warm_spare": False,
 }
 
 

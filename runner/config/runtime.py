@@ -81,6 +81,11 @@ class SupervisorConfig(_Section):
     smoke: bool = Field(
         True, description="Run the preflight smoke test (a few real steps) before the first launch."
     )
+    warm_spare: bool | Literal["auto"] = Field(
+        "auto",
+        description="Keep the next worker started and imported while one trains, so a restart "
+        "skips process start and imports (runner/supervisor/spare.py); auto = on a GPU host.",
+    )
     vram_warn_fraction: float = Field(
         0.95, gt=0, le=1, description="Warn when used GPU memory exceeds this fraction of total."
     )

@@ -51,6 +51,7 @@ class SupervisorSettings:
     metadata_url: str | None = _default(SupervisorConfig, "metadata_url")
     smoke: bool = _default(SupervisorConfig, "smoke")
     vram_warn_fraction: float = _default(SupervisorConfig, "vram_warn_fraction")
+    warm_spare: bool | str = _default(SupervisorConfig, "warm_spare")
     heartbeat_interval_s: float = _default(LogConfig, "heartbeat_interval_s")
     mirror_url: str | None = _default(CheckpointConfig, "mirror_url")
     mirror_keep_last: int = _default(CheckpointConfig, "keep_last")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,47 @@ class StopControl:
                 f"({describe_exit(exit_code)}); last complete checkpoint step {ckpt}"
             )
         return self._ending(f"{self.detail}; {how}")
+
+
+class StopDelivery:
+    """How the stop requests reach one running worker: SIGTERM at the first (it saves and exits
+    75), SIGKILL once the grace is spent or at a second Ctrl-C; a repeat that waits is logged.
+    ``kill_at`` (monotonic) is also the deadline a hang's SIGTERM sets."""
+
+    def __init__(self, stops: StopControl, log: Any):
+        self.stops = stops
+        self.log = log  # runner.supervisor.events.EventLog
+        self.sent = False
+        self.kill_at: float | None = None
+        self._repeats_seen = 0
+
+    def poll(self, worker: Any, now: float, on_sent: Callable[[], None]) -> None:
+        """One watch-loop turn for ``worker`` (a WorkerProcess); ``on_sent`` runs before the
+        first SIGTERM (the supervisor records the stopping phase)."""
+        stops = self.stops
+        if stops.requested and not self.sent:
+            self.sent = True
+            grace = stops.grace()
+            on_sent()
+            self.log.emit("stop_requested", reason=stops.detail, kind=stops.kind, grace_s=grace)
+            worker.terminate()
+            self.kill_at = (
+                min(self.kill_at, now + grace) if self.kill_at is not None else now + grace
+            )
+        if stops.repeats > self._repeats_seen:
+            self._repeats_seen = stops.repeats
+            self.log.emit(
+                "stop_repeated",
+                reason="another stop request: waiting for the save the first one "
+                f"started ({max(0.0, (self.kill_at or now) - now):.0f}s of grace left; a second "
+                "Ctrl-C kills the worker now)",
+            )
+        if stops.force and self.kill_at is not None and self.kill_at > now:
+            self.log.emit("force_kill", reason="second Ctrl-C: killing the worker now",
+                          level="warning")  # fmt: skip
+            self.kill_at = now
+        if self.kill_at is not None and now >= self.kill_at:
+            worker.kill()
+
+    def deadline_passed(self) -> bool:
+        return self.kill_at is not None and time.monotonic() >= self.kill_at

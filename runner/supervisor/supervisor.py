@@ -54,11 +54,8 @@ from runner.protocol import (
     EXIT_OK,
     EXIT_SOFTWARE,
     EXIT_UNAVAILABLE,
-    FAULT_ENV,
-    FAULT_SCOPE_ENV,
     FINAL_WORKER_PHASES,
     STATE_FILE,
-    SUPERVISOR_PID_ENV,
     WORKER_LOG,
     RunState,
     SupervisorPhase,
@@ -70,9 +67,16 @@ from runner.supervisor.hang import HangDetector, VramWatch
 from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
 from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
+from runner.supervisor.spare import WarmSpare
 from runner.supervisor.state import StateFile
-from runner.supervisor.stops import PREEMPTED, StopControl
-from runner.supervisor.worker import Outcome, WorkerArgv, WorkerProcess, reap_stale_worker
+from runner.supervisor.stops import PREEMPTED, StopControl, StopDelivery
+from runner.supervisor.worker import (
+    Outcome,
+    WorkerArgv,
+    WorkerProcess,
+    reap_stale_worker,
+    worker_env,
+)
 
 _CHECKPOINT_SCAN_S = 1.0
 
@@ -114,6 +118,7 @@ class Supervisor:
         self.stops = StopControl(self.run_dir, settings.stop_grace_s)
         self.worker: WorkerProcess | None = None
         self._attempt = 0
+        self.spare = WarmSpare(self.run_dir)
 
         prev = RunState.from_dict(read_json(self.run_dir / STATE_FILE))
         self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
@@ -183,6 +188,7 @@ class Supervisor:
             if self._mirror is not None:
                 self._mirror.close()
             self.checkpoints.close()
+            self.spare.discard()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             self.log.close()
@@ -329,16 +335,23 @@ class Supervisor:
 
     # ----------------------------------------------------------------- one worker
 
+    def _keep_spare(self, worker: WorkerProcess, hb: Any) -> None:
+        """A warm spare for the next restart once this worker trains (never competing with its
+        start): supervisor.warm_spare true, or auto on a host whose GPU the gate saw."""
+        mode = self.s.warm_spare
+        wanted = mode is True or (mode == "auto" and self.gpu is not None and self.gpu.has_gpu)
+        training = hb is not None and hb.phase == WorkerPhase.TRAINING
+        if wanted and training and WarmSpare.runs(worker.argv) and not self.spare.ready():
+            self.spare.start(worker_env(self.env, self._attempt + 1))
+
     def _spawn(self, resume: str) -> WorkerProcess:
         self._attempt += 1
         self.lr_cut.launched(resume, self.lr_scale)
         argv = self.worker_argv(resume, self.lr_scale)
-        env = dict(self.env)
-        env["PYTHONUNBUFFERED"] = "1"
-        env[SUPERVISOR_PID_ENV] = str(os.getpid())
-        if self._attempt > 1 and env.get(FAULT_SCOPE_ENV) == "first":
-            env.pop(FAULT_ENV, None)
-        worker = self.worker = WorkerProcess(self.run_dir, argv, env, self._attempt)
+        env = worker_env(self.env, self._attempt)
+        worker = self.worker = WorkerProcess(
+            self.run_dir, argv, env, self._attempt, spare=self.spare
+        )
         self.hang.new_worker(worker.spawn_wall)
         self._write_state(
             force=True,
@@ -358,6 +371,7 @@ class Supervisor:
             resume=resume,
             lr_scale=self.lr_scale,
             argv=argv,
+            warm_spare=worker.from_spare,
         )
         return worker
 
@@ -365,12 +379,13 @@ class Supervisor:
         for line in worker.lines(final=final):
             self.log.echo(line)
 
+    def _record_stopping(self) -> None:
+        self._write_state(force=True, phase=SupervisorPhase.STOPPING, reason=self.stops.detail)
+
     def _watch(self, worker: WorkerProcess) -> Outcome:
         """Poll the worker until it exits; handles stop requests and hangs on the way."""
-        kill_at: float | None = None  # monotonic deadline for SIGKILL after a SIGTERM
+        stop = StopDelivery(self.stops, self.log)
         hang: str | None = None
-        stop_sent = False
-        repeats_seen = 0
         next_scan = 0.0
         while True:
             code = worker.wait(self.s.poll_s)
@@ -381,36 +396,10 @@ class Supervisor:
                 if last is not None:
                     self.hang.observe(last)  # a worker that ended between two polls
                 worker.kill()  # leftovers of the group (ranks, loader workers) go with it
-                killed = kill_at is not None and time.monotonic() >= kill_at
+                killed = stop.deadline_passed()
                 return Outcome(worker.protocol_code(code), hang=hang, killed_after_grace=killed)
             now = time.monotonic()
-
-            stops = self.stops
-            if stops.requested and not stop_sent:
-                stop_sent = True
-                grace = stops.grace()
-                self._write_state(force=True, phase=SupervisorPhase.STOPPING, reason=stops.detail)
-                self.log.emit("stop_requested", reason=stops.detail, kind=stops.kind, grace_s=grace)
-                worker.terminate()
-                kill_at = min(kill_at, now + grace) if kill_at is not None else now + grace
-            if stops.repeats > repeats_seen:
-                repeats_seen = stops.repeats
-                self.log.emit(
-                    "stop_repeated",
-                    reason="another stop request: waiting for the save the first one "
-                    f"started ({max(0.0, (kill_at or now) - now):.0f}s of grace left; a second "
-                    "Ctrl-C kills the worker now)",
-                )
-            if stops.force and kill_at is not None and kill_at > now:
-                self.log.emit(
-                    "force_kill",
-                    reason="second Ctrl-C: killing the worker now",
-                    level="warning",
-                )
-                kill_at = now
-            if kill_at is not None and now >= kill_at:
-                worker.kill()
-
+            stop.poll(worker, now, on_sent=self._record_stopping)
             if now >= next_scan:
                 next_scan = now + _CHECKPOINT_SCAN_S
                 self._scanned(self.checkpoints.scan())
@@ -420,12 +409,14 @@ class Supervisor:
             hb = self.hang.read()
             if hb is not None and self.hang.observe(hb) and hb.vram_bytes is not None:
                 self.vram.note(hb.vram_bytes, "heartbeat")
+            if not stop.sent:
+                self._keep_spare(worker, hb)
             allowance = self.hang.allowance(hb)
             if allowance != self.state.heartbeat_timeout_s:
                 self._write_state(heartbeat_timeout_s=allowance)
             else:
                 self._write_state()  # refreshes updated_at every few seconds
-            if stop_sent or hang is not None:
+            if stop.sent or hang is not None:
                 continue
             found = self.hang.check(hb, allowance)
             if found is not None:
@@ -441,7 +432,7 @@ class Supervisor:
                 )
                 self._write_state(force=True, phase=SupervisorPhase.RESTARTING, reason=hang)
                 worker.terminate()
-                kill_at = now + self.s.stop_grace_s
+                stop.kill_at = now + self.s.stop_grace_s
 
     # ----------------------------------------------------------------- the loop
 

@@ -5,6 +5,7 @@ code (torchrun exits 1 whatever its ranks' codes were: the ranks record theirs).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from runner.files import lock_holder, read_json
+from runner.files import lock_holder, open_append, read_json
 from runner.procs import (
     LogTail,
     command_line,
@@ -31,12 +32,16 @@ from runner.protocol import (
     EXIT_NAN,
     EXIT_OK,
     EXIT_STOPPED,
+    FAULT_ENV,
+    FAULT_SCOPE_ENV,
+    SUPERVISOR_PID_ENV,
     WORKER_EXIT_GLOB,
     WORKER_LOCK_FILE,
     WORKER_LOG,
     WorkerExit,
 )
 from runner.supervisor.events import EventLog
+from runner.supervisor.spare import WarmSpare
 
 # (resume, lr_scale) -> argv
 WorkerArgv = Callable[[str, float], list[str]]
@@ -98,6 +103,17 @@ def worker_argv(run_dir: Path, distributed: Any = None, start_over: bool = False
     return build
 
 
+def worker_env(base: dict[str, str], attempt: int) -> dict[str, str]:
+    """The environment of worker attempt ``attempt`` (from 1): ``base`` with unbuffered output
+    and the supervisor's pid; a fault scoped to the first worker reaches only that one."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())
+    if attempt > 1 and env.get(FAULT_SCOPE_ENV) == "first":
+        env.pop(FAULT_ENV, None)
+    return env
+
+
 def _is_torchrun(argv: Sequence[str]) -> bool:
     return "torch.distributed.run" in argv[:3]
 
@@ -136,10 +152,18 @@ def reap_stale_worker(run_dir: Path, grace_s: float, log: EventLog) -> None:
 
 
 class WorkerProcess:
-    """One worker attempt: started by `start`, watched with `wait`, ended by `terminate` and
+    """One worker attempt: started at construction (or, given ``spare``, a warm spare handed
+    its arguments: runner/supervisor/spare.py), watched with `wait`, ended by `terminate` and
     `kill`. Its output is appended to worker.log and read back line by line (`lines`)."""
 
-    def __init__(self, run_dir: Path, argv: list[str], env: dict[str, str], attempt: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        argv: list[str],
+        env: dict[str, str],
+        attempt: int,
+        spare: WarmSpare | None = None,
+    ):
         self.run_dir = run_dir
         self.argv = argv
         self.attempt = attempt
@@ -148,7 +172,16 @@ class WorkerProcess:
         self.spawn_wall = time.time()
         log_path = run_dir / WORKER_LOG
         header = f"m3run supervisor: worker attempt {attempt}: {command_line(argv)}"
-        self.proc, offset = spawn_logged(argv, log_path, env=env, header=header)
+        proc = None
+        if spare is not None and spare.ready() and spare.runs(argv):
+            with open_append(log_path, binary=True) as log_file:
+                log_file.write(f"--- {header} (the warm spare)\n".encode())
+                offset = log_file.tell()
+            proc = spare.take(argv[3:])
+        self.from_spare = proc is not None
+        if proc is None:
+            proc, offset = spawn_logged(argv, log_path, env=env, header=header)
+        self.proc = proc
         self.pid = self.proc.pid
         self.create_time = create_time(self.pid)
         self.tail = LogTail(log_path, offset)

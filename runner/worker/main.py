@@ -26,11 +26,14 @@ from runner.protocol import (
     CONFIG_FILE,
     EXIT_CONFIG,
     EXIT_NAN,
+    EXIT_OK,
     EXIT_SAVE_FAILED,
     EXIT_STOPPED,
+    STANDBY_ARG,
     WorkerPhase,
 )
 
+from . import standby
 from .preimport import import_in_background
 from .trainer import NaNExcursion, StopRequested, Trainer
 
@@ -50,7 +53,9 @@ def run(
     lr_scale: float = 1.0,
 ) -> int:
     """Train and return the worker's exit code (never raises for the expected failures)."""
-    imported = time.time()  # this module's imports (torch, the model, the kernels) are done
+    # This module's imports (torch, the model, the kernels) are done: now, or for a warm spare
+    # when it was handed its arguments.
+    imported = standby.activated_at() or time.time()
     trainer = None
     try:
         cfg = load_config(config, overrides)
@@ -156,5 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [STANDBY_ARG]:  # a warm spare: the arguments come later, on stdin
+        argv = standby.wait_for_arguments()
+        if argv is None:
+            return EXIT_OK
     a = build_parser().parse_args(argv)
     return run(a.config, a.run_dir, a.overrides, a.resume, a.force, a.lr_scale)

@@ -23,6 +23,7 @@ from runner.procs import create_time
 from runner.protocol import EXIT_OK, WorkerPhase
 from runner.schedule import lr_at
 
+from . import standby
 from .build import (
     autocast,
     build_model,
@@ -122,7 +123,9 @@ class Trainer:
     def setup(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         marks = self.startup_times
-        marks["process_start"] = create_time(os.getpid())
+        # A warm spare's process started long before this worker did: it starts when handed
+        # its arguments.
+        marks["process_start"] = standby.activated_at() or create_time(os.getpid())
         marks["setup_start"] = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.writer:

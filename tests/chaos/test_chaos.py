@@ -17,18 +17,22 @@ import shutil
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers.launching import INTERVAL, TOTAL_STEPS, Run, fast_env, overrides
 
 from runner.checkpoint.layout import list_checkpoints
 from runner.files import read_jsonl
 from runner.protocol import (
+    EVENTS_FILE,
     EXIT_OK,
     EXIT_SOFTWARE,
     EXIT_STOPPED,
     FAULT_ENV,
     FAULT_SCOPE_ENV,
     METRICS_FILE,
+    STANDBY_ARG,
+    SUPERVISOR_PID_ENV,
     WORKER_LOG,
 )
 
@@ -91,6 +95,37 @@ def test_sigkill_worker_three_times_ends_bitwise_equal(corpus, reference, tmp_pa
     assert_same_weights(run.run_dir, reference, f"(killed at steps {killed_at})")
     ref = train_losses(reference)
     assert train_losses(run.run_dir) == ref
+
+
+def _spares_of(supervisor_pid: int) -> list[psutil.Process]:
+    """The warm spares (`python -m runner.train --standby`) that supervisor started, alive."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            mine = proc.environ().get(SUPERVISOR_PID_ENV) == str(supervisor_pid)
+            if STANDBY_ARG in (proc.info["cmdline"] or []) and mine and proc.is_running():
+                found.append(proc)
+    return found
+
+
+def test_sigkill_hands_the_run_to_the_warm_spare(corpus, reference, tmp_path):
+    """supervisor.warm_spare true: once the worker trains, its successor waits, imported; a
+    SIGKILL makes that process the worker, which resumes and ends bitwise equal to the
+    uninterrupted run. The first worker hangs at step 6 (a fault for it alone), which paces the
+    test: the spare is found before the kill. Every spare is gone when the run ends."""
+    env = fast_env(**{FAULT_ENV: "hang_at_step=6", FAULT_SCOPE_ENV: "first"})
+    run = Run(tmp_path / "run", overrides(corpus, **{"supervisor.warm_spare": "true"}), env=env)
+    sup = run.proc.pid
+    first = run.worker_at(5)
+    spare = run.wait_for(lambda: _spares_of(sup), "a warm spare")[0]
+    os.kill(first, signal.SIGKILL)
+    assert run.worker_at(6, after_pid=first) == spare.pid
+    assert run.wait() == EXIT_OK, run.output()
+    starts = [e for e in read_jsonl(run.run_dir / EVENTS_FILE) if e["event"] == "worker_start"]
+    assert [e["warm_spare"] for e in starts] == [False, True], starts
+    assert train_losses(run.run_dir) == train_losses(reference)
+    assert_same_weights(run.run_dir, reference, "(the spare resumed the run)")
+    assert not _spares_of(sup), "a spare outlived its supervisor's run"
 
 
 def test_sigterm_saves_stops_and_relaunch_resumes_exactly(corpus, reference, tmp_path):

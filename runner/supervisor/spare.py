@@ -1,0 +1,93 @@
+"""The warm spare: the next worker, started before it is needed.
+
+A restarted worker spends its first seconds in process start and imports (torch, the model, the
+kernels, torch's compile stack: about 9 s of a 26.7 s warm restart on an H200 host,
+docs/benchmarks.md), work that does not depend on why or where the run resumes. So once a
+worker is training, the supervisor starts its successor as ``python -m runner.train --standby``
+(runner/worker/standby.py): it imports all of that, then blocks reading its stdin. When the
+supervisor restarts the worker it writes the attempt's header to worker.log and the worker's
+arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes the
+worker. A spare that has died is replaced by a fresh spawn, as without one.
+
+The spare never touches the GPU or the run dir before it is told to, holds no lock, and reads
+EOF on its stdin when the supervisor goes away (even a SIGKILLed one): it then exits 0. The
+supervisor kills it when the run ends. ``supervisor.warm_spare``: ``auto`` keeps one on a GPU
+host (where restarts are worth seconds and a spare's imports cost little), ``true`` always,
+``false`` never; a torchrun worker has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from runner.procs import signal_group, spawn_logged
+from runner.protocol import STANDBY_ARG, WORKER_LOG
+
+# The spare's command line: the worker's module with the one standby argument.
+SPARE_ARGV = (sys.executable, "-m", "runner.train", STANDBY_ARG)
+
+
+class WarmSpare:
+    """At most one spare worker process for ``run_dir``, started with ``env``."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.proc: subprocess.Popen | None = None
+
+    def ready(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @staticmethod
+    def runs(argv: list[str]) -> bool:
+        """Whether a spare can become the worker of ``argv``: the worker's own module (not
+        torchrun) under the spare's interpreter."""
+        return tuple(argv[:3]) == SPARE_ARGV[:3]
+
+    def start(self, env: dict[str, str]) -> None:
+        """Spawn a spare unless one is waiting. Its output (nothing, unless its imports fail)
+        goes to worker.log."""
+        if self.ready():
+            return
+        self.discard()
+        self.proc, _ = spawn_logged(
+            SPARE_ARGV, self.run_dir / WORKER_LOG, env=env, stdin=subprocess.PIPE
+        )
+
+    def take(self, worker_args: list[str]) -> subprocess.Popen | None:
+        """Hand the waiting spare ``worker_args`` (the worker's arguments after its module)
+        and return it as the new worker's process; None when no live spare waits (the caller
+        spawns a fresh worker)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            self._reap(proc)
+            return None
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps(worker_args) + "\n").encode())
+            proc.stdin.close()  # one command; EOF after it
+        except OSError:  # it died between the poll and the write
+            self._reap(proc)
+            return None
+        return proc
+
+    def discard(self) -> None:
+        """Kill the spare, if any, and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            signal_group(proc.pid, signal.SIGKILL)
+        self._reap(proc)
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen | None) -> None:
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
