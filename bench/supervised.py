@@ -347,8 +347,11 @@ def _row(name: str, seconds: float | None, note: str = "") -> dict:
     return {"phase": name, "s": None if seconds is None else round(seconds, 3), "note": note}
 
 
-def worker_rows(start: dict, spawned_at: float, steady_s: float | None) -> list[dict]:
-    """A worker's way from its spawn to its first completed step, from its startup_times."""
+def worker_rows(
+    start: dict, spawned_at: float, steady_s: float | None, spare: bool = False
+) -> list[dict]:
+    """A worker's way from its spawn to its first completed step, from its startup_times;
+    ``spare``: it was the supervisor's warm spare, its imports done before it was needed."""
     first = start["first_step_end"] - start["setup_end"]
     loaded = start.get("resumed_from")
     what = f"step {loaded}: choose, sha256, load" if loaded is not None else "none to load"
@@ -358,7 +361,11 @@ def worker_rows(start: dict, spawned_at: float, steady_s: float | None) -> list[
         compile_s, step_s, step_note = first - steady_s, steady_s, "one steady step"
     s = start
     return [
-        _row("process start", s["imported"] - spawned_at, "exec, imports"),
+        _row(
+            "process start",
+            max(0.0, s["imported"] - spawned_at),
+            "the warm spare: exec and imports done before" if spare else "exec, imports",
+        ),
         _row("config", s["setup_start"] - s["imported"], "load and check the config"),
         _row("device", s["device_ready"] - s["setup_start"], "run-dir claim, CUDA device"),
         _row("model build", s["model_init"] - s["device_ready"], "telemetry, model init"),
@@ -389,7 +396,7 @@ def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | N
         rows.append(_row("smoke test", smoke["time"] - at, str(smoke.get("reason", ""))[:70]))
         at = smoke["time"]
     rows.append(_row("worker spawn", spawn["time"] - at))
-    rows += worker_rows(start, spawn["time"], steady_s)
+    rows += worker_rows(start, spawn["time"], steady_s, bool(spawn.get("warm_spare")))
     rows.append(_row("total", start["first_step_end"] - t_launch, "launch to first step"))
     return rows
 
@@ -434,7 +441,7 @@ def restart_rows(run_dir: Path, t_kill: float, start: dict, steady_s: float | No
         at = health["time"]
     rows.append(_row("smoke test", 0.0, "not run on a supervisor restart"))
     rows.append(_row("worker spawn", spawn["time"] - at))
-    rows += worker_rows(start, spawn["time"], steady_s)
+    rows += worker_rows(start, spawn["time"], steady_s, bool(spawn.get("warm_spare")))
     rows.append(_row("total", start["first_step_end"] - t_kill, "SIGKILL to first new step"))
     return rows
 

@@ -33,7 +33,7 @@ SPARE_ARGV = (sys.executable, "-m", "runner.train", STANDBY_ARG)
 
 
 class WarmSpare:
-    """At most one spare worker process for ``run_dir``, started with ``env``."""
+    """At most one spare worker process for ``run_dir``."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir

@@ -119,6 +119,7 @@ class Supervisor:
         self.worker: WorkerProcess | None = None
         self._attempt = 0
         self.spare = WarmSpare(self.run_dir)
+        self._spare_at_step: int | None = None  # the step of this worker's that starts one
 
         prev = RunState.from_dict(read_json(self.run_dir / STATE_FILE))
         self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
@@ -336,12 +337,17 @@ class Supervisor:
     # ----------------------------------------------------------------- one worker
 
     def _keep_spare(self, worker: WorkerProcess, hb: Any) -> None:
-        """A warm spare for the next restart once this worker trains (never competing with its
-        start): supervisor.warm_spare true, or auto on a host whose GPU the gate saw."""
+        """A warm spare for the next restart once this worker has trained two steps past its
+        first (its imports never compete with the worker's start and compile):
+        supervisor.warm_spare true, or auto on a host whose GPU the gate saw."""
         mode = self.s.warm_spare
         wanted = mode is True or (mode == "auto" and self.gpu is not None and self.gpu.has_gpu)
-        training = hb is not None and hb.phase == WorkerPhase.TRAINING
-        if wanted and training and WarmSpare.runs(worker.argv) and not self.spare.ready():
+        training = hb is not None and hb.phase == WorkerPhase.TRAINING and hb.step is not None
+        if not wanted or not training or self.spare.ready():
+            return
+        if self._spare_at_step is None:
+            self._spare_at_step = hb.step + 2
+        elif hb.step >= self._spare_at_step and WarmSpare.runs(worker.argv):
             self.spare.start(worker_env(self.env, self._attempt + 1))
 
     def _spawn(self, resume: str) -> WorkerProcess:
@@ -352,6 +358,7 @@ class Supervisor:
         worker = self.worker = WorkerProcess(
             self.run_dir, argv, env, self._attempt, spare=self.spare
         )
+        self._spare_at_step = None
         self.hang.new_worker(worker.spawn_wall)
         self._write_state(
             force=True,
