@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.files import read_json
 from runner.procs import describe_exit
@@ -22,6 +22,9 @@ from runner.protocol import (
     StopRequest,
     SupervisorPhase,
 )
+
+if TYPE_CHECKING:
+    from runner.supervisor.events import EventLog
 
 USER = "user"
 PREEMPTED = "preempted"
@@ -127,9 +130,9 @@ class StopDelivery:
     75), SIGKILL once the grace is spent or at a second Ctrl-C; a repeat that waits is logged.
     ``kill_at`` (monotonic) is also the deadline a hang's SIGTERM sets."""
 
-    def __init__(self, stops: StopControl, log: Any):
+    def __init__(self, stops: StopControl, log: EventLog):
         self.stops = stops
-        self.log = log  # runner.supervisor.events.EventLog
+        self.log = log
         self.sent = False
         self.kill_at: float | None = None
         self._repeats_seen = 0
