@@ -119,7 +119,7 @@ class Supervisor:
         self.worker: WorkerProcess | None = None
         self._attempt = 0
         self.spare = WarmSpare(self.run_dir)
-        self._spare_at_step: int | None = None  # the step of this worker's that starts one
+        self._spare_at_step = 2  # the current worker's step at which a warm spare starts
 
         prev = RunState.from_dict(read_json(self.run_dir / STATE_FILE))
         self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
@@ -337,18 +337,23 @@ class Supervisor:
     # ----------------------------------------------------------------- one worker
 
     def _keep_spare(self, worker: WorkerProcess, hb: Any) -> None:
-        """A warm spare for the next restart once this worker has trained two steps past its
-        first (its imports never compete with the worker's start and compile):
+        """A warm spare for the next restart once this worker has trained two steps past the
+        one it resumed from (its imports never compete with the worker's start and compile):
         supervisor.warm_spare true, or auto on a host whose GPU the gate saw."""
         mode = self.s.warm_spare
         wanted = mode is True or (mode == "auto" and self.gpu is not None and self.gpu.has_gpu)
         training = hb is not None and hb.phase == WorkerPhase.TRAINING and hb.step is not None
-        if not wanted or not training or self.spare.ready():
+        if not wanted or not training or self.spare.ready() or not WarmSpare.runs(worker.argv):
             return
-        if self._spare_at_step is None:
-            self._spare_at_step = hb.step + 2
-        elif hb.step >= self._spare_at_step and WarmSpare.runs(worker.argv):
+        if hb.step >= self._spare_at_step:
             self.spare.start(worker_env(self.env, self._attempt + 1))
+
+    def _resume_step(self, resume: str) -> int | None:
+        """The step a worker started with ``resume`` continues from, as far as the supervisor
+        knows (None: from the start)."""
+        if resume.isdigit():
+            return int(resume)
+        return self.state.last_checkpoint_step if resume == "latest" else None
 
     def _spawn(self, resume: str) -> WorkerProcess:
         self._attempt += 1
@@ -358,7 +363,7 @@ class Supervisor:
         worker = self.worker = WorkerProcess(
             self.run_dir, argv, env, self._attempt, spare=self.spare
         )
-        self._spare_at_step = None
+        self._spare_at_step = (self._resume_step(resume) or 0) + 2
         self.hang.new_worker(worker.spawn_wall)
         self._write_state(
             force=True,
@@ -515,11 +520,7 @@ class Supervisor:
         grant = self.restarts.grant(reason, self.run_dir / WORKER_LOG)
         if isinstance(grant, str):
             return self._end(SupervisorPhase.FAILED, EXIT_SOFTWARE, grant, level="error")
-        resume_step = (
-            int(resume)
-            if resume.isdigit()
-            else (self.state.last_checkpoint_step if resume == "latest" else None)
-        )
+        resume_step = self._resume_step(resume)
         self.state.restarts.append(
             {
                 "time": grant.time,
