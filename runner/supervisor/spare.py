@@ -3,7 +3,8 @@
 A restarted worker spends its first seconds in process start and imports (torch, the model, the
 kernels, torch's compile stack: about 9 s of a 26.7 s warm restart on an H200 host,
 docs/benchmarks.md), work that does not depend on why or where the run resumes. So once a
-worker is training, the supervisor starts its successor as ``python -m runner.train --standby``
+worker has trained two steps past the one it resumed from (past its start and compile), the
+supervisor starts its successor as ``python -m runner.train --standby``
 (runner/worker/standby.py): it imports all of that, then blocks reading its stdin. When the
 supervisor restarts the worker it writes the attempt's header to worker.log and the worker's
 arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes the
