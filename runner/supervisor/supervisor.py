@@ -20,7 +20,9 @@ checkpoint) is immediate, each further one in a row waits ``backoff_initial_s`` 
 checkpoint end the run (exit 70). Exit 76 restarts from the checkpoint before the latest one
 with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for consecutive exits
 76); exit 78 is never restarted.
-Before a relaunch the dead worker's GPU memory must be released and the GPU healthy.
+Before a relaunch the dead worker's GPU memory must be released and the GPU healthy. On a GPU
+host (``warm_spare``) the next worker waits started and imported while one trains, and a
+restart hands it the worker's arguments (spare).
 
 SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
 as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
