@@ -166,17 +166,14 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             trainer.train_step()
             torch.cuda.synchronize(trainer.device)
+        rows = kernel_rows(p.key_averages())
         by_cat: dict[str, float] = {}
-        for evt in p.key_averages():
-            us = getattr(evt, "self_device_time_total", 0) or getattr(
-                evt, "self_cuda_time_total", 0
-            )
-            if us:
-                by_cat[categorise(evt.key)] = by_cat.get(categorise(evt.key), 0.0) + us
+        for row in rows:
+            by_cat[row["kind"]] = by_cat.get(row["kind"], 0.0) + row["ms"]
         total = sum(by_cat.values()) or 1.0
         result["gpu_time_breakdown"] = {k: round(v / total, 4) for k, v in sorted(by_cat.items())}
-        result["gpu_ms_per_step"] = total / 1e3
-        result["top_kernels"] = top_kernels(p.key_averages(), profile)
+        result["gpu_ms_per_step"] = total
+        result["top_kernels"] = [{**r, "ms": round(r["ms"], 3)} for r in rows[:profile]]
     trainer.close()
     del trainer
     # Compiled graphs and their caches go too: the next model (another micro-batch, the
@@ -188,15 +185,16 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
     return result
 
 
-def top_kernels(averages, n: int) -> list[dict]:
-    """The ``n`` kernels with the most GPU time in one profiled step: name, kind, ms, launches."""
+def kernel_rows(averages) -> list[dict]:
+    """Every kernel of one profiled step with GPU time, most first: name (cut to 120
+    characters), kind, ms, launches."""
     rows = []
     for evt in averages:
         us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
         if us:
             rows.append({"kernel": evt.key[:120], "kind": categorise(evt.key),
-                         "ms": round(us / 1e3, 3), "calls": evt.count})  # fmt: skip
-    return sorted(rows, key=lambda r: -r["ms"])[:n]
+                         "ms": us / 1e3, "calls": evt.count})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms"])
 
 
 def line(r: dict) -> str:
