@@ -96,6 +96,14 @@ def terminate_then_kill(
     return False
 
 
+def append_header(log_path: Path, header: str) -> int:
+    """Append a `--- header` line to `log_path`; returns the offset after it, where the output
+    it introduces starts."""
+    with open_append(log_path, binary=True) as log_file:
+        log_file.write(f"--- {header}\n".encode())
+        return log_file.tell()
+
+
 def spawn_logged(
     argv: Sequence[str],
     log_path: Path,
@@ -106,10 +114,9 @@ def spawn_logged(
     """Start `argv` in a new session, stdin closed (or `subprocess.PIPE`), stdout and stderr
     appended to `log_path` (after a `--- header` line when given). Returns the process and the
     log offset at which its output starts."""
+    if header is not None:
+        append_header(log_path, header)
     with open_append(log_path, binary=True) as log_file:
-        if header is not None:
-            log_file.write(f"--- {header}\n".encode())
-            log_file.flush()
         offset = log_file.tell()
         proc = subprocess.Popen(
             list(argv),

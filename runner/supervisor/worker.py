@@ -17,9 +17,10 @@ from typing import Any
 
 import psutil
 
-from runner.files import lock_holder, open_append, read_json
+from runner.files import lock_holder, read_json
 from runner.procs import (
     LogTail,
+    append_header,
     command_line,
     create_time,
     signal_group,
@@ -174,9 +175,7 @@ class WorkerProcess:
         header = f"m3run supervisor: worker attempt {attempt}: {command_line(argv)}"
         proc = None
         if spare is not None and spare.ready() and spare.runs(argv):
-            with open_append(log_path, binary=True) as log_file:
-                log_file.write(f"--- {header} (the warm spare)\n".encode())
-                offset = log_file.tell()
+            offset = append_header(log_path, f"{header} (the warm spare)")
             proc = spare.take(argv[3:])
         self.from_spare = proc is not None
         if proc is None:
