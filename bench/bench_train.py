@@ -59,7 +59,10 @@ CATEGORIES = [
     ("loss", ("logsumexp", "cross_entropy", "scatter", "gather", "log_softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adamw")),
     ("matmul", ("gemm", "sm90", "cutlass", "nvjet", "matmul", "mm_", "cublas")),
-    ("norms/elementwise", ("norm", "elementwise", "vectorized", "triton_", "reduce", "silu")),
+    (
+        "norms/elementwise",
+        ("norm", "elementwise", "vectorized", "triton_", "reduce", "silu", "swiglu"),
+    ),
 ]
 
 

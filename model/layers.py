@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.mamba3 import resolve_backend
+
 
 class RMSNorm(nn.Module):
     """Weight-only RMSNorm (no bias), computed in fp32 and cast back to the input dtype."""
@@ -20,14 +22,24 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) ⊙ up(x)); gate and up fused in one matmul."""
+    """SwiGLU MLP (Shazeer 2020): down(silu(gate(x)) ⊙ up(x)); gate and up fused in one matmul.
 
-    def __init__(self, d_model: int, d_hidden: int):
+    ``backend`` is the model's kernel choice (model.scan_backend): where it resolves to Triton,
+    the gate, the product and the down projection run as one custom operator whose backward
+    recomputes the hidden activation instead of saving it (kernels/swiglu.py)."""
+
+    def __init__(self, d_model: int, d_hidden: int, backend: str = "pytorch"):
         super().__init__()
         self.d_hidden = d_hidden
+        self.backend = backend
         self.gate_up = nn.Linear(d_model, 2 * d_hidden, bias=False)  # order: [gate, up]
         self.down = nn.Linear(d_hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).split(self.d_hidden, dim=-1)
+        gu = self.gate_up(x)
+        if self.backend != "pytorch" and resolve_backend(self.backend, x.device) == "triton":
+            from kernels.swiglu import swiglu_down
+
+            return swiglu_down(gu, self.down.weight)
+        gate, up = gu.split(self.d_hidden, dim=-1)
         return self.down(F.silu(gate) * up)

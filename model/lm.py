@@ -36,7 +36,7 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = Mamba3Mixer(cfg, layer_idx)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_intermediate)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_intermediate, cfg.scan_backend)
 
     def forward(self, x: Tensor, reset: Tensor | None = None) -> Tensor:
         x = x + self.mixer(self.mixer_norm(x), reset=reset)

@@ -27,7 +27,7 @@ RUNS = {
     "bf16-1024": (("--bf16", "1024"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
     "bf16-2048": (("--bf16", "2048"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
 }
-SCRIPTS = {"opcheck": "opcheck_scan.py"}  # other interpreter runs: a script of their own
+SCRIPTS = {"opcheck": "opcheck_scan.py", "swiglu": "interpret_swiglu.py"}  # a script each
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,16 @@ def test_bf16_accuracy_at_long_sequences(interpreted, t):
 def test_the_custom_operators_compile_as_they_run_eagerly(interpreted):
     """torch.compile (fullgraph) through the scan's forward and backward operators gives the
     eager results bitwise, and opcheck passes their schemas and fake implementations."""
-    out, err = interpreted["opcheck"].communicate(timeout=900)
-    assert interpreted["opcheck"].returncode == 0, err[-3000:]
+    _ran_ok(interpreted, "opcheck")
+
+
+def test_the_swiglu_operator_matches_the_plain_module(interpreted):
+    """The fused SwiGLU operator's output and both gradients equal the plain module's formula
+    (fp32 against float64), compiled as eagerly, and opcheck passes both operators."""
+    _ran_ok(interpreted, "swiglu")
+
+
+def _ran_ok(procs: dict, name: str) -> None:
+    out, err = procs[name].communicate(timeout=900)
+    assert procs[name].returncode == 0, err[-3000:]
     assert out.strip().splitlines()[-1] == "ok"
