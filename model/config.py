@@ -45,7 +45,9 @@ class ModelConfig(BaseModel):
         0.02, gt=0, description="Std of the normal init of embeddings and linears."
     )
     scan_backend: Literal["auto", "triton", "pytorch"] = Field(
-        "auto", description="Mamba-3 scan implementation: auto (triton on CUDA), triton or pytorch."
+        "auto",
+        description="Kernels of the Mamba-3 scan and the SwiGLU MLP: auto (triton on CUDA), "
+        "triton or pytorch.",
     )
 
     @model_validator(mode="after")
