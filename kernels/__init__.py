@@ -1,1 +1,2 @@
-"""Sequence-mixing kernels for Mamba-3-Lite: references beside the fast paths."""
+"""Kernels of Mamba-3-Lite: the Mamba-3 scan (references beside the fast paths) and the SwiGLU
+MLP's custom operator."""
