@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers.launching import INTERVAL, TOTAL_STEPS, Run, fast_env, overrides
+from helpers.launching import INTERVAL, TOTAL_STEPS, Run, overrides
+from helpers.runs import worker_env
 
 from runner.checkpoint.layout import list_checkpoints
 from runner.files import read_jsonl
@@ -113,7 +114,7 @@ def test_sigkill_hands_the_run_to_the_warm_spare(corpus, reference, tmp_path):
     SIGKILL makes that process the worker, which resumes and ends bitwise equal to the
     uninterrupted run. The first worker hangs at step 6 (a fault for it alone), which paces the
     test: the spare is found before the kill. Every spare is gone when the run ends."""
-    env = fast_env(**{FAULT_ENV: "hang_at_step=6", FAULT_SCOPE_ENV: "first"})
+    env = worker_env(**{FAULT_ENV: "hang_at_step=6", FAULT_SCOPE_ENV: "first"})
     run = Run(tmp_path / "run", overrides(corpus, **{"supervisor.warm_spare": "true"}), env=env)
     sup = run.proc.pid
     first = run.worker_at(5)
@@ -132,7 +133,7 @@ def test_sigterm_saves_stops_and_relaunch_resumes_exactly(corpus, reference, tmp
     run_dir = tmp_path / "run"
     # Slow checkpoint writes pace the run (a save waits for the one before it), so the stop
     # lands well before the last step however fast the machine is.
-    run = Run(run_dir, overrides(corpus), env=fast_env(**{FAULT_ENV: "slow_save=1.0"}))
+    run = Run(run_dir, overrides(corpus), env=worker_env(**{FAULT_ENV: "slow_save=1.0"}))
     run.worker_at(4)
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait() == EXIT_OK, run.output()
@@ -172,7 +173,7 @@ def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(corpus, refere
 def test_kill_during_checkpoint_write_never_loads_the_torn_one(corpus, reference, tmp_path):
     run_dir = tmp_path / "run"
     # The first worker's checkpoint writes pause mid-write (data files written, meta.json not).
-    env = fast_env(**{FAULT_ENV: "slow_save=1.0", FAULT_SCOPE_ENV: "first"})
+    env = worker_env(**{FAULT_ENV: "slow_save=1.0", FAULT_SCOPE_ENV: "first"})
     run = Run(run_dir, overrides(corpus), env=env)
     ckpts = run_dir / "checkpoints"
     pid = run.worker_at(1)
@@ -202,7 +203,7 @@ def test_kill_during_checkpoint_write_never_loads_the_torn_one(corpus, reference
 def test_nan_exit_rolls_back_with_lower_lr_and_heals(corpus, reference, tmp_path):
     run_dir = tmp_path / "run"
     nan_from = 2 * INTERVAL + 2
-    env = fast_env(**{FAULT_ENV: f"nan_from_step={nan_from}", FAULT_SCOPE_ENV: "first"})
+    env = worker_env(**{FAULT_ENV: f"nan_from_step={nan_from}", FAULT_SCOPE_ENV: "first"})
     sets = overrides(
         corpus,
         **{
@@ -279,7 +280,7 @@ def test_cloud_preemption_notice_saves_and_exits_75(corpus, tmp_path, provider):
 
 def test_always_crashing_worker_backs_off_then_exits_70(corpus, tmp_path):
     sets = overrides(corpus, **{"supervisor.no_progress_restarts": 2})
-    run = Run(tmp_path / "run", sets, env=fast_env(**{FAULT_ENV: "crash_at_startup"}))
+    run = Run(tmp_path / "run", sets, env=worker_env(**{FAULT_ENV: "crash_at_startup"}))
     assert run.wait() == EXIT_SOFTWARE, run.output()
     state = run.state()
     assert state["phase"] == "failed" and state["reason"].startswith("no progress: 2 restarts")

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from helpers.launching import Run, fast_env, overrides
+from helpers.launching import Run, overrides
 from helpers.runs import REPO, worker_env
 from helpers.supervision import unrelated_process
 
@@ -36,7 +36,7 @@ def m3run_stop(run_dir, *args: str) -> subprocess.Popen:
 def test_repeated_stops_during_a_slow_save_wait_for_the_same_checkpoint(corpus, tmp_path):
     run_dir = tmp_path / "run"
     # Every checkpoint write pauses 3 s mid-write (data files written, meta.json not yet).
-    run = Run(run_dir, overrides(corpus), env=fast_env(**{FAULT_ENV: "slow_save=3.0"}))
+    run = Run(run_dir, overrides(corpus), env=worker_env(**{FAULT_ENV: "slow_save=3.0"}))
     run.worker_at(2)
     first = m3run_stop(run_dir)
     run.wait_for(lambda: run.state().get("phase") == "stopping", "the stop to reach the worker")

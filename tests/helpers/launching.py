@@ -37,12 +37,6 @@ def overrides(corpus: Path, **extra) -> list[str]:
     )
 
 
-def fast_env(**extra: str) -> dict:
-    # One intra-op thread per process: on a 2-core machine the tiny model trains several times
-    # faster than with torch's default thread pool (and the reference uses the same setting).
-    return worker_env(OMP_NUM_THREADS="1", **extra)
-
-
 def launch_argv(run_dir: Path, sets: list[str], *extra: str) -> list[str]:
     """`m3run launch` of the demo recipe into `run_dir` with `--set` overrides, then `extra`."""
     argv = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG)]
@@ -61,7 +55,7 @@ class Run:
         argv = launch_argv(run_dir, sets, *extra)
         with open(self.out, "w") as f:
             self.proc = subprocess.Popen(
-                argv, stdout=f, stderr=subprocess.STDOUT, env=env or fast_env(), cwd=REPO
+                argv, stdout=f, stderr=subprocess.STDOUT, env=env or worker_env(), cwd=REPO
             )
 
     def wait(self, timeout: float = 120) -> int:

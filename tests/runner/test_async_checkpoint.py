@@ -174,10 +174,7 @@ def _overrides(corpus: Path, **extra) -> list[str]:
 
 
 def _env(fault: str | None = None) -> dict[str, str]:
-    extra = {"OMP_NUM_THREADS": "1"}
-    if fault:
-        extra["M3RUN_FAULT"] = fault
-    return worker_env(**extra)
+    return worker_env(M3RUN_FAULT=fault) if fault else worker_env()
 
 
 class HeartbeatWatch:

@@ -19,7 +19,7 @@ def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
            "--run-dir", str(run_dir)]  # fmt: skip
     for o in overrides:
         cmd += ["--set", o]
-    return subprocess.run(cmd, env=env or worker_env(OMP_NUM_THREADS="1"), capture_output=True,
+    return subprocess.run(cmd, env=env or worker_env(), capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
 
@@ -69,7 +69,7 @@ def test_two_supervisors_form_a_two_node_job_through_c10d(corpus, tmp_path):
                   f"distributed.rdzv_endpoint={endpoint}", "distributed.rdzv_id=job1",
                   "supervisor.smoke=false", "distributed.timeout_s=60"]:  # fmt: skip
             cmd += ["--set", o]
-        env = worker_env(OMP_NUM_THREADS="1")
+        env = worker_env()
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outs = [p.communicate(timeout=300)[0] for p in procs]

@@ -39,7 +39,7 @@ def _launch(run_dir: Path, sets: list[str], umask: int = 0o022) -> subprocess.Co
         launch_argv(run_dir, sets),
         capture_output=True,
         text=True,
-        env=worker_env(OMP_NUM_THREADS="1"),
+        env=worker_env(),
         cwd=REPO,
         timeout=240,
         preexec_fn=lambda: os.umask(umask),
