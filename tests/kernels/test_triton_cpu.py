@@ -1,7 +1,8 @@
 """The Triton scan kernels without a GPU: run in the Triton interpreter on small shapes against the
 PyTorch chunked reference, and compiled offline for sm_80 (A100) and sm_90 at the benchmark tile
 shape with every configuration of the checked-in launch table and the defaults, which must fit
-the architecture's shared memory and registers. Both need Triton installed (not a GPU)."""
+the architecture's shared memory and registers. The SwiGLU operator's kernels run in the
+interpreter too. All need Triton installed (not a GPU)."""
 
 from __future__ import annotations
 
