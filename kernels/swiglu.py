@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.mamba3.triton_common import TRITON_IMPORT_ERROR, tl, triton
+from kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 
 BLOCK = 1024  # columns of d_hidden per program: one row's slice, 8 bf16 per thread at 4 warps
 NUM_WARPS = 4
@@ -115,6 +115,11 @@ def swiglu_down(gu: Tensor, w: Tensor) -> Tensor:
     backend (model.layers.SwiGLU); on a machine without Triton it raises."""
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)
+    if gu.dtype not in DTYPES:
+        raise ValueError(
+            f"the SwiGLU kernels take gu in {DTYPES} (fp32 inside), got {gu.dtype}; use "
+            'backend="pytorch"'
+        )
     if gu.shape[-1] != 2 * w.shape[1]:
         raise ValueError(
             f"gu's last dim must be 2·d_hidden = {2 * w.shape[1]} (w is {tuple(w.shape)}), "

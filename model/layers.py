@@ -26,7 +26,8 @@ class SwiGLU(nn.Module):
 
     ``backend`` is the model's kernel choice (model.scan_backend): where it resolves to Triton,
     the gate, the product and the down projection run as one custom operator whose backward
-    recomputes the hidden activation instead of saving it (kernels/swiglu.py)."""
+    recomputes the hidden activation instead of saving it (kernels/swiglu.py). Under "auto",
+    dtypes the kernels do not take (float64) run the plain module, as the scan does."""
 
     def __init__(self, d_model: int, d_hidden: int, backend: str = "pytorch"):
         super().__init__()
@@ -38,8 +39,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up(x)
         if self.backend != "pytorch" and resolve_backend(self.backend, x.device) == "triton":
-            from kernels.swiglu import swiglu_down
+            from kernels import swiglu
 
-            return swiglu_down(gu, self.down.weight)
+            if self.backend == "triton" or gu.dtype in swiglu.DTYPES:
+                return swiglu.swiglu_down(gu, self.down.weight)
         gate, up = gu.split(self.d_hidden, dim=-1)
         return self.down(F.silu(gate) * up)
