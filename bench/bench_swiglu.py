@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+from bench_train import kernel_rows
 from torch.profiler import ProfilerActivity, profile
 
 from model.layers import SwiGLU
@@ -45,14 +46,9 @@ def bench(backend: str, compiled: bool, a: argparse.Namespace) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         once()
         torch.cuda.synchronize()
-    rows = sorted(
-        ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-         if e.device_time_total > 0),
-        key=lambda r: -r[1],
-    )  # fmt: skip
     print(f"{backend:8s} compiled={compiled}: {ms:.3f} ms forward+backward, peak {peak:.2f} GiB")
-    for name, kernel_ms, calls in rows[:8]:
-        print(f"    {kernel_ms:8.3f} ms {calls:3d}× {name[:100]}")
+    for row in kernel_rows(prof.key_averages())[:8]:
+        print(f"    {row['ms']:8.3f} ms {row['calls']:3d}× {row['kernel'][:100]}")
 
 
 def main() -> None:

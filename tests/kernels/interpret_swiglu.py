@@ -1,8 +1,7 @@
 """Run by test_triton_cpu.py in the Triton interpreter (TRITON_INTERPRET=1, set before Triton
 loads): the SwiGLU operator (kernels/swiglu.py) in fp32 against the plain module's formula in
 float64 (the output and both gradients, a hidden width that ends inside a program's block), the
-same
-under torch.compile with fullgraph (bitwise), and torch.library.opcheck on both operators.
+same under torch.compile with fullgraph (bitwise), and torch.library.opcheck on both operators.
 Prints "ok" at the end."""
 
 from __future__ import annotations
