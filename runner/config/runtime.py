@@ -83,8 +83,9 @@ class SupervisorConfig(_Section):
     )
     warm_spare: bool | Literal["auto"] = Field(
         "auto",
-        description="Keep the next worker started and imported while one trains, so a restart "
-        "skips process start and imports (runner/supervisor/spare.py); auto = on a GPU host.",
+        description="Keep the next worker started and imported while one trains (and a "
+        "launch's first worker while the smoke test runs), so a restart skips process start "
+        "and imports (runner/supervisor/spare.py); auto = on a GPU host.",
     )
     vram_warn_fraction: float = Field(
         0.95, gt=0, le=1, description="Warn when used GPU memory exceeds this fraction of total."

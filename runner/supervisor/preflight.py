@@ -1,6 +1,7 @@
 """Before a worker runs: the GPU health gate (NVML through runner.health, no torch, no CUDA
 context) and the preflight smoke test, which imports torch and so runs as a child process
-(`python -m runner.worker.smoke`) whose verdict comes back in smoke.json."""
+(`python -m runner.worker.smoke`) whose verdict comes back in smoke.json. `Preflight` runs the
+two in order at a launch and says how the run ends if one fails."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 from runner.files import read_json
 from runner.health.checks import Verdict
 from runner.procs import LogTail, signal_group, spawn_logged
-from runner.protocol import SMOKE_FILE, WORKER_LOG, SmokeVerdict
+from runner.protocol import EXIT_CONFIG, EXIT_UNAVAILABLE, SMOKE_FILE, WORKER_LOG, SmokeVerdict
 from runner.supervisor.events import EventLog
 from runner.supervisor.hang import VramWatch
 from runner.supervisor.settings import SupervisorSettings
@@ -300,3 +301,87 @@ class SmokeTest:
                 f"the end of {log_path}"
             )
         return result.ok, result.message
+
+
+@dataclass(frozen=True)
+class PreflightEnd:
+    """How a check ends the run before a worker starts: the exit code, the reason and the
+    health report's details; or `stopped` when a stop request came first."""
+
+    code: int = EXIT_UNAVAILABLE
+    reason: str = ""
+    details: dict[str, Any] | None = None
+    stopped: bool = False
+
+
+class Preflight:
+    """A launch's checks before its first worker: the GPU health gate, then the smoke test
+    unless this config passed it on this device. `on_smoke_run` runs just before a smoke test
+    that runs (the supervisor starts the first worker as a warm spare there, so that its imports
+    overlap the test); `write_state` keeps state.json fresh while it runs and records a pass."""
+
+    def __init__(
+        self,
+        gpu: GpuWatch | None,
+        smoke: SmokeTest | None,
+        settings: SupervisorSettings,
+        log: EventLog,
+        stop_requested: Callable[[], bool],
+    ):
+        self.gpu = gpu
+        self.smoke = smoke
+        self.s = settings
+        self.log = log
+        self.stop_requested = stop_requested
+
+    def gate(self, when: str) -> PreflightEnd | None:
+        """The health gate (before the first worker and every restart); None passes."""
+        if self.gpu is None:
+            return None
+        result = self.gpu.gate(when)
+        if result.failure is None:
+            return None
+        return PreflightEnd(EXIT_UNAVAILABLE, result.failure, result.details)
+
+    def run(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        *,
+        passed: dict | None,
+        config_hash: str | None,
+        on_smoke_run: Callable[[], None],
+        write_state: Callable[..., None],
+    ) -> PreflightEnd | None:
+        """Gate, then smoke test (`passed`: what the last passing one recorded). None goes on
+        to the first worker."""
+        end = self.gate("preflight")
+        if end is not None:
+            return end
+        if self.stop_requested():
+            return PreflightEnd(stopped=True)
+        if self.smoke is None:
+            return None
+        device = self.gpu.device_key if self.gpu is not None else None
+        if self.smoke.reason_to_run(passed, config_hash, device) is not None:
+            on_smoke_run()
+        result = self.smoke.check(
+            run_dir,
+            env,
+            passed=passed,
+            config_hash=config_hash,
+            device=device,
+            timeout_s=self.s.startup_timeout_s,
+            poll_s=self.s.poll_s,
+            echo=self.log.echo,
+            tick=write_state,
+            stop_requested=self.stop_requested,
+        )
+        if self.stop_requested():
+            return PreflightEnd(stopped=True)
+        if not result.ok:
+            return PreflightEnd(EXIT_CONFIG, f"preflight smoke test failed: {result.message}")
+        if result.passed is not None:
+            write_state(smoke_passed=result.passed)
+        self.log.emit("smoke", reason=result.message)
+        return None

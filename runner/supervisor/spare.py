@@ -10,6 +10,11 @@ When the supervisor restarts the worker it writes the attempt's header to worker
 worker's arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes
 the worker. A spare that has died is replaced by a fresh spawn, as without one.
 
+A launch that runs the preflight smoke test starts a spare before it, so that the first
+worker's imports overlap the smoke test instead of following it: the first worker is that
+spare. A launch that skips the smoke test spawns its first worker at once, with nothing to
+overlap.
+
 The spare never touches the GPU or the run dir before it is told to, holds no lock, and reads
 EOF on its stdin when the supervisor goes away (even a SIGKILLed one): it then exits 0. The
 supervisor kills it when the run ends. ``supervisor.warm_spare``: ``auto`` keeps one on a GPU
@@ -48,6 +53,12 @@ class WarmSpare:
         """Whether a spare can become the worker of ``argv``: the worker's own module (not
         torchrun) under the spare's interpreter."""
         return tuple(argv[:3]) == SPARE_ARGV[:3]
+
+    @staticmethod
+    def wanted(mode: bool | str, has_gpu: bool, argv: list[str]) -> bool:
+        """Whether this run keeps a spare for the worker ``argv``: ``supervisor.warm_spare``
+        true, or auto on a host whose GPU the health gate saw, and a worker a spare can run."""
+        return (mode is True or (mode == "auto" and has_gpu)) and WarmSpare.runs(argv)
 
     def start(self, env: dict[str, str]) -> None:
         """Spawn a spare unless one is waiting. Its output (nothing, unless its imports fail)

@@ -22,7 +22,8 @@ with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for cons
 76); exit 78 is never restarted.
 Before a relaunch the dead worker's GPU memory must be released and the GPU healthy. On a GPU
 host (``warm_spare``) the next worker waits started and imported while one trains, and a
-restart hands it the worker's arguments (spare).
+restart hands it the worker's arguments (spare); a launch that runs the smoke test starts its
+first worker that way beside the test.
 
 SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
 as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
@@ -55,7 +56,6 @@ from runner.protocol import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_SOFTWARE,
-    EXIT_UNAVAILABLE,
     FINAL_WORKER_PHASES,
     STATE_FILE,
     WORKER_LOG,
@@ -66,7 +66,7 @@ from runner.protocol import (
 from runner.supervisor.checkpoints import CheckpointTracker, LrCut
 from runner.supervisor.events import EventLog
 from runner.supervisor.hang import HangDetector, VramWatch
-from runner.supervisor.preflight import GpuProbe, GpuWatch, SmokeTest
+from runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
 from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.spare import WarmSpare
@@ -112,7 +112,6 @@ class Supervisor:
         self.resume = resume
         self.lr_scale = lr_scale
         self.config_hash = config_hash
-        self.smoke = smoke
         self.env = dict(os.environ if env is None else env)
         self.handle_signals = handle_signals
         self.log = EventLog(self.run_dir, console, log_format)
@@ -127,6 +126,9 @@ class Supervisor:
         self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
         self.vram = VramWatch(settings, self.log, prev.peak_vram_bytes if prev else None)
         self.gpu = GpuWatch(gpu, settings, self.log, self.vram) if gpu is not None else None
+        self.preflight = Preflight(
+            self.gpu, smoke, settings, self.log, lambda: self.stops.requested
+        )
         self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
         self.lr_cut = LrCut(self.checkpoints, settings.nan_lr_factor)
         self.restarts = RestartPolicy(settings)
@@ -291,61 +293,49 @@ class Supervisor:
     # ----------------------------------------------------------------- preflight
 
     def _preflight(self) -> int | None:
-        """GPU health gate, then the smoke test. An exit code ends the run; None goes on."""
-        if self.gpu is not None:
-            code = self._health_gate("preflight")
-            if code is not None:
-                return code
-        if self.stops.requested:
-            return self._stopped_without_worker()
-        return self._smoke_test() if self.smoke is not None else None
-
-    def _smoke_test(self) -> int | None:
-        """Run the smoke test unless this config already passed it on this device."""
-        result = self.smoke.check(
-            self.run_dir,
-            self.env,
-            passed=self.state.smoke_passed,
-            config_hash=self.config_hash,
-            device=self.gpu.device_key if self.gpu is not None else None,
-            timeout_s=self.s.startup_timeout_s,
-            poll_s=self.s.poll_s,
-            echo=self.log.echo,
-            tick=self._write_state,
-            stop_requested=lambda: self.stops.requested,
+        """The health gate and the smoke test (preflight.Preflight). An exit code ends the
+        run; None goes on."""
+        return self._ended(
+            self.preflight.run(
+                self.run_dir,
+                self.env,
+                passed=self.state.smoke_passed,
+                config_hash=self.config_hash,
+                on_smoke_run=self._launch_spare,
+                write_state=self._write_state,
+            )
         )
-        if self.stops.requested:
-            return self._stopped_without_worker()
-        if not result.ok:
-            reason = f"preflight smoke test failed: {result.message}"
-            return self._end(SupervisorPhase.FAILED, EXIT_CONFIG, reason, level="error")
-        if result.passed is not None:
-            self._write_state(smoke_passed=result.passed)
-        self.log.emit("smoke", reason=result.message)
-        return None
 
     def _health_gate(self, when: str) -> int | None:
-        gate = self.gpu.gate(when)
-        if gate.failure is None:
+        return self._ended(self.preflight.gate(when))
+
+    def _ended(self, end: PreflightEnd | None) -> int | None:
+        if end is None:
             return None
-        extra = {"health": gate.details} if gate.details is not None else {}
-        return self._end(
-            SupervisorPhase.FAILED, EXIT_UNAVAILABLE, gate.failure, level="error", **extra
-        )
+        if end.stopped:
+            return self._stopped_without_worker()
+        extra = {"health": end.details} if end.details is not None else {}
+        return self._end(SupervisorPhase.FAILED, end.code, end.reason, level="error", **extra)
 
     def _stopped_without_worker(self) -> int:
         return self._end(*self.stops.without_worker())
 
     # ----------------------------------------------------------------- one worker
 
+    def _launch_spare(self) -> None:
+        """The first worker, started as a warm spare beside a smoke test that runs (spare.py)."""
+        if self._spare_wanted(self.worker_argv(self.resume, self.lr_scale)):
+            self.spare.start(worker_env(self.env, self._attempt + 1))
+
+    def _spare_wanted(self, argv: list[str]) -> bool:
+        has_gpu = self.gpu is not None and self.gpu.has_gpu
+        return WarmSpare.wanted(self.s.warm_spare, has_gpu, argv)
+
     def _keep_spare(self, worker: WorkerProcess, hb: Any) -> None:
         """A warm spare for the next restart once this worker has trained two steps past the
-        one it resumed from (its imports never compete with the worker's start and compile):
-        supervisor.warm_spare true, or auto on a host whose GPU the gate saw."""
-        mode = self.s.warm_spare
-        wanted = mode is True or (mode == "auto" and self.gpu is not None and self.gpu.has_gpu)
+        one it resumed from (its imports never compete with the worker's start and compile)."""
         training = hb is not None and hb.phase == WorkerPhase.TRAINING and hb.step is not None
-        if not wanted or not training or self.spare.ready() or not WarmSpare.runs(worker.argv):
+        if not training or self.spare.ready() or not self._spare_wanted(worker.argv):
             return
         if hb.step >= self._spare_at_step:
             self.spare.start(worker_env(self.env, self._attempt + 1))

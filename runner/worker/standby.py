@@ -5,7 +5,7 @@ in this thread (no background import, so no race with the setup: runner/worker/p
 then waits for one line on stdin: the worker's arguments as a JSON list. EOF instead (the
 supervisor discarded the spare or is gone) ends the process quietly. The moment the arguments
 arrive is the worker's start for its startup record: the imports before it were paid while the
-previous worker was still training.
+previous worker was still training, or, for a launch's first worker, while the smoke test ran.
 """
 
 from __future__ import annotations
