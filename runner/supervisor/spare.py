@@ -29,10 +29,12 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from runner.procs import signal_group, spawn_logged
-from runner.protocol import STANDBY_ARG, WORKER_LOG
+from runner.protocol import STANDBY_ARG, WORKER_LOG, WorkerPhase
 
 # The spare's command line: the worker's module with the one standby argument.
 SPARE_ARGV = (sys.executable, "-m", "runner.train", STANDBY_ARG)
@@ -53,12 +55,6 @@ class WarmSpare:
         """Whether a spare can become the worker of ``argv``: the worker's own module (not
         torchrun) under the spare's interpreter."""
         return tuple(argv[:3]) == SPARE_ARGV[:3]
-
-    @staticmethod
-    def wanted(mode: bool | str, has_gpu: bool, argv: list[str]) -> bool:
-        """Whether this run keeps a spare for the worker ``argv``: ``supervisor.warm_spare``
-        true, or auto on a host whose GPU the health gate saw, and a worker a spare can run."""
-        return (mode is True or (mode == "auto" and has_gpu)) and WarmSpare.runs(argv)
 
     def start(self, env: dict[str, str]) -> None:
         """Spawn a spare unless one is waiting. Its output (nothing, unless its imports fail)
@@ -103,3 +99,45 @@ class WarmSpare:
                 proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+
+
+class SparePolicy:
+    """When the supervisor starts a spare: before a launch's smoke test that runs (the first
+    worker), and once a worker has trained two steps past the one it resumed from (its
+    successor: its imports never compete with the worker's start and compile). Only where
+    ``supervisor.warm_spare`` is true, or auto on a host whose GPU the health gate saw
+    (``has_gpu``), and for a worker a spare can run. ``env_for(attempt)`` is the environment of
+    that attempt's worker."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        mode: bool | str,
+        has_gpu: Callable[[], bool],
+        env_for: Callable[[int], dict[str, str]],
+    ):
+        self.spare = WarmSpare(run_dir)
+        self.mode = mode
+        self._has_gpu = has_gpu
+        self._env_for = env_for
+        self._at_step = 2  # the current worker's step at which its successor starts
+
+    def wanted(self, argv: list[str]) -> bool:
+        on = self.mode is True or (self.mode == "auto" and self._has_gpu())
+        return on and WarmSpare.runs(argv)
+
+    def before_smoke_test(self, argv: list[str], attempt: int) -> None:
+        """The first worker (``argv``, ``attempt``), started beside the smoke test."""
+        if self.wanted(argv):
+            self.spare.start(self._env_for(attempt))
+
+    def worker_started(self, resume_step: int | None) -> None:
+        self._at_step = (resume_step or 0) + 2
+
+    def heartbeat(self, argv: list[str], hb: Any, next_attempt: int) -> None:
+        """After each heartbeat ``hb`` of the worker ``argv``: its successor, when due."""
+        training = hb is not None and hb.phase == WorkerPhase.TRAINING and hb.step is not None
+        if not training or self.spare.ready() or not self.wanted(argv):
+            return
+        if hb.step >= self._at_step:
+            self.spare.start(self._env_for(next_attempt))

@@ -9,16 +9,19 @@ fails for lack of space, can still be written over the old bytes in place."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from runner.files import RunDirWriteError, atomic_write_text
 from runner.procs import create_time
-from runner.protocol import STATE_FILE, RunState, SupervisorPhase
+from runner.protocol import EXIT_CONFIG, STATE_FILE, RunState, SupervisorPhase
 from runner.supervisor.settings import SupervisorSettings
 
 _REFRESH_S = 2.0  # updated_at is refreshed at least this often while the supervisor watches
@@ -105,3 +108,28 @@ class StateFile:
             return False
         finally:
             os.close(fd)
+
+
+def end_unwritable(state_file: StateFile, emit: Callable[..., None], err: RunDirWriteError) -> int:
+    """The end of a run whose run dir cannot be written (full disk, read-only remount), its
+    worker stopped: the final state in place if the disk allows, the event if it can be
+    logged, the reason on stderr, and exit 78, so that a deploy recipe halts instead of
+    relaunching into the same disk."""
+    reason = f"{err.strerror}; the worker was stopped and the run is not restarted"
+    recorded = state_file.write_final(
+        phase=SupervisorPhase.FAILED,
+        reason=reason,
+        worker_pid=None,
+        worker_create_time=None,
+        exit_code=EXIT_CONFIG,
+    )
+    with contextlib.suppress(OSError):
+        emit(SupervisorPhase.FAILED, reason=reason, level="error", exit_code=EXIT_CONFIG)
+    print(f"m3run supervisor: {reason}", file=sys.stderr)
+    if not recorded:
+        print(
+            f"m3run supervisor: {STATE_FILE} could not be updated either; "
+            "`m3run status` will show the run as dead",
+            file=sys.stderr,
+        )
+    return EXIT_CONFIG

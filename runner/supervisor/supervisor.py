@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,8 +68,8 @@ from runner.supervisor.hang import HangDetector, VramWatch
 from runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
 from runner.supervisor.restarts import RestartPolicy, diagnose
 from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.spare import WarmSpare
-from runner.supervisor.state import StateFile
+from runner.supervisor.spare import SparePolicy
+from runner.supervisor.state import StateFile, end_unwritable
 from runner.supervisor.stops import PREEMPTED, StopControl, StopDelivery
 from runner.supervisor.worker import (
     Outcome,
@@ -119,13 +118,17 @@ class Supervisor:
         self.stops = StopControl(self.run_dir, settings.stop_grace_s)
         self.worker: WorkerProcess | None = None
         self._attempt = 0
-        self.spare = WarmSpare(self.run_dir)
-        self._spare_at_step = 2  # the current worker's step at which a warm spare starts
 
         prev = RunState.from_dict(read_json(self.run_dir / STATE_FILE))
         self.hang = HangDetector(self.run_dir, settings, prev.longest_startup_s if prev else None)
         self.vram = VramWatch(settings, self.log, prev.peak_vram_bytes if prev else None)
         self.gpu = GpuWatch(gpu, settings, self.log, self.vram) if gpu is not None else None
+        self.spares = SparePolicy(
+            self.run_dir,
+            settings.warm_spare,
+            lambda: self.gpu is not None and self.gpu.has_gpu,
+            lambda attempt: worker_env(self.env, attempt),
+        )
         self.preflight = Preflight(
             self.gpu, smoke, settings, self.log, lambda: self.stops.requested
         )
@@ -193,7 +196,7 @@ class Supervisor:
             if self._mirror is not None:
                 self._mirror.close()
             self.checkpoints.close()
-            self.spare.discard()
+            self.spares.spare.discard()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             self.log.close()
@@ -252,33 +255,13 @@ class Supervisor:
         return code
 
     def _end_unwritable(self, err: RunDirWriteError) -> int:
-        """The run dir cannot be written (full disk, read-only remount): stop the worker, which
-        cannot save either, record the end in place if the disk allows, and exit 78 so that a
-        deploy recipe halts instead of relaunching into the same disk."""
+        """The run dir cannot be written: stop the worker, which cannot save either, then end
+        the run as state.end_unwritable records it."""
         if self.worker is not None and self.worker.alive():
             self.worker.terminate()
             if self.worker.wait(self.s.stop_grace_s) is None:
                 self.worker.kill()
-        reason = f"{err.strerror}; the worker was stopped and the run is not restarted"
-        recorded = self.state_file.write_final(
-            phase=SupervisorPhase.FAILED,
-            reason=reason,
-            worker_pid=None,
-            worker_create_time=None,
-            exit_code=EXIT_CONFIG,
-        )
-        with contextlib.suppress(OSError):
-            self.log.emit(
-                SupervisorPhase.FAILED, reason=reason, level="error", exit_code=EXIT_CONFIG
-            )
-        print(f"m3run supervisor: {reason}", file=sys.stderr)
-        if not recorded:
-            print(
-                f"m3run supervisor: {STATE_FILE} could not be updated either; "
-                "`m3run status` will show the run as dead",
-                file=sys.stderr,
-            )
-        return EXIT_CONFIG
+        return end_unwritable(self.state_file, self.log.emit, err)
 
     def _scanned(self, progressed: bool) -> None:
         """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
@@ -301,7 +284,9 @@ class Supervisor:
                 self.env,
                 passed=self.state.smoke_passed,
                 config_hash=self.config_hash,
-                on_smoke_run=self._launch_spare,
+                on_smoke_run=lambda: self.spares.before_smoke_test(
+                    self.worker_argv(self.resume, self.lr_scale), self._attempt + 1
+                ),
                 write_state=self._write_state,
             )
         )
@@ -322,24 +307,6 @@ class Supervisor:
 
     # ----------------------------------------------------------------- one worker
 
-    def _launch_spare(self) -> None:
-        """The first worker, started as a warm spare beside a smoke test that runs (spare.py)."""
-        if self._spare_wanted(self.worker_argv(self.resume, self.lr_scale)):
-            self.spare.start(worker_env(self.env, self._attempt + 1))
-
-    def _spare_wanted(self, argv: list[str]) -> bool:
-        has_gpu = self.gpu is not None and self.gpu.has_gpu
-        return WarmSpare.wanted(self.s.warm_spare, has_gpu, argv)
-
-    def _keep_spare(self, worker: WorkerProcess, hb: Any) -> None:
-        """A warm spare for the next restart once this worker has trained two steps past the
-        one it resumed from (its imports never compete with the worker's start and compile)."""
-        training = hb is not None and hb.phase == WorkerPhase.TRAINING and hb.step is not None
-        if not training or self.spare.ready() or not self._spare_wanted(worker.argv):
-            return
-        if hb.step >= self._spare_at_step:
-            self.spare.start(worker_env(self.env, self._attempt + 1))
-
     def _resume_step(self, resume: str) -> int | None:
         """The step a worker started with ``resume`` continues from, as far as the supervisor
         knows (None: from the start)."""
@@ -353,9 +320,9 @@ class Supervisor:
         argv = self.worker_argv(resume, self.lr_scale)
         env = worker_env(self.env, self._attempt)
         worker = self.worker = WorkerProcess(
-            self.run_dir, argv, env, self._attempt, spare=self.spare
+            self.run_dir, argv, env, self._attempt, spare=self.spares.spare
         )
-        self._spare_at_step = (self._resume_step(resume) or 0) + 2
+        self.spares.worker_started(self._resume_step(resume))
         self.hang.new_worker(worker.spawn_wall)
         self._write_state(
             force=True,
@@ -414,7 +381,7 @@ class Supervisor:
             if hb is not None and self.hang.observe(hb) and hb.vram_bytes is not None:
                 self.vram.note(hb.vram_bytes, "heartbeat")
             if not stop.sent:
-                self._keep_spare(worker, hb)
+                self.spares.heartbeat(worker.argv, hb, self._attempt + 1)
             allowance = self.hang.allowance(hb)
             if allowance != self.state.heartbeat_timeout_s:
                 self._write_state(heartbeat_timeout_s=allowance)
