@@ -310,7 +310,8 @@ def run_smoke(cfg: RunConfig, run_dir: str | Path | None = None, echo=print) -> 
         check = Check(number, name, status, message, time.perf_counter() - t0)
         result.checks.append(check)
         if echo is not None:
-            echo(f"  [{number}/{len(CHECKS)}] {name:<36} {status.upper():<7} {message}")
+            line = f"{name:<36} {status.upper():<7} {check.seconds:6.1f} s  {message}"
+            echo(f"  [{number}/{len(CHECKS)}] {line}")
     return result
 
 

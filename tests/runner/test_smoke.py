@@ -23,6 +23,8 @@ def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
     # data.reset_at_eos is on by default: the parity check covers the resets training uses.
     assert "recurrent reference with resets" in by_name["scan parity with the reference"].message
     assert len(lines) == len(CHECKS) and lines[0].startswith("  [1/8]")
+    for line, check in zip(lines, result.checks, strict=True):  # each line shows its time
+        assert line.endswith(f"{check.seconds:6.1f} s  {check.message}"), line
 
 
 def test_smoke_failure_names_the_check_and_the_problem(tmp_path):
