@@ -232,9 +232,11 @@ class SmokeTest:
         passed: dict | None,
         config_hash: str | None,
         device: str | None,
+        before_run: Callable[[], None] = lambda: None,
         **run_args: Any,
     ) -> SmokeResult:
-        """Run it (`run_args` as for `run`) unless `reason_to_run` says it need not."""
+        """Run it (`run_args` as for `run`, `before_run` first) unless `reason_to_run` says it
+        need not."""
         why = self.reason_to_run(passed, config_hash, device)
         if why is None:
             return SmokeResult(
@@ -242,6 +244,7 @@ class SmokeTest:
                 f"skipped: it passed for this config on {device} "
                 "(`m3run launch --smoke` runs it again)",
             )
+        before_run()
         ok, message = self.run(run_dir, env, **run_args)
         if not ok:
             return SmokeResult(False, message)
@@ -362,15 +365,13 @@ class Preflight:
             return PreflightEnd(stopped=True)
         if self.smoke is None:
             return None
-        device = self.gpu.device_key if self.gpu is not None else None
-        if self.smoke.reason_to_run(passed, config_hash, device) is not None:
-            on_smoke_run()
         result = self.smoke.check(
             run_dir,
             env,
             passed=passed,
             config_hash=config_hash,
-            device=device,
+            device=self.gpu.device_key if self.gpu is not None else None,
+            before_run=on_smoke_run,
             timeout_s=self.s.startup_timeout_s,
             poll_s=self.s.poll_s,
             echo=self.log.echo,
