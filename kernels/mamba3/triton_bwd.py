@@ -5,21 +5,22 @@ The only sequential dependency of the backward is the gradient ``dG`` of the aug
 between chunks (p × n, fp32): ``dG_in = exp(A_L)·dG_out + (exp(A) ⊙ do)ᵀ q̄``. One small kernel
 carries it; every other term of a chunk depends on that chunk's inputs, its entering state
 ``G_in`` (saved by the forward) and its leaving-state gradient ``dG_out`` only, so one
-chunk-parallel kernel does all of them.
+chunk-parallel kernel does all of them. The sequential kernel does nothing else: every load or
+store it makes is time on the backward's one serial path.
 
 1. ``siso_bwd_dstate_kernel`` (grid: p blocks × batch·heads, reverse over chunks): carries
    ``dG`` for a block of its rows and writes, per chunk, ``dG_out`` in the dot dtype (the values
-   the dots of kernel 2 use), the fp32 partial sum ``exp(A_L)·<dG_out, G_in>`` (the decay
-   gradient of the carried state, over the block's rows) and at the end the start-state
-   gradient. q̄ is rebuilt from q, the bias and the angle entering the chunk (saved by the
-   forward) exactly as the forward built it. With a gate it also writes ``do = dy ⊙ silu(z)``
-   in the dot dtype, once, for kernel 2.
+   the dots of kernel 2 use), and at the end the start-state gradient. q̄ is rebuilt from q, the
+   bias and the angle entering the chunk (saved by the forward) exactly as the forward built
+   it; with a gate, ``do = dy ⊙ silu(z)`` is formed in registers and not written.
 2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·heads): for one chunk and head, q̄ and k̄
-   (rotated in registers), the scores, and every gradient: ``dv``, ``dz`` (recomputing the
-   pre-gate output), ``dq̄``, ``dk̄``, the trapezoid-weight gradients ``dw`` and ``dcur``, the
-   ``d`` partial sum and the ``adt`` gradient. The latter is chunk-local: ``adt`` enters only
-   through the chunk's cumulative decay ``A`` (the carried state sees it through ``exp(A_L)``),
-   so its gradient is a reverse cumsum over one chunk of ``∂L/∂A``, never a sequence-long sum.
+   (rotated in registers), ``do`` and the gate's slope from one load of ``dy`` and ``z``, the
+   scores, and every gradient: ``dv``, ``dz`` (recomputing the pre-gate output), ``dq̄``,
+   ``dk̄``, the trapezoid-weight gradients ``dw`` and ``dcur``, the ``d`` partial sum and the
+   ``adt`` gradient. The latter is chunk-local: ``adt`` enters only through the chunk's
+   cumulative decay ``A`` (the carried state sees it through ``exp(A_L)``, whose gradient
+   ``exp(A_L)·<dG_out, G_in>`` comes from the two states this kernel reads anyway), so its
+   gradient is a reverse cumsum over one chunk of ``∂L/∂A``, never a sequence-long sum.
    Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
    bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
@@ -52,6 +53,7 @@ from .triton_common import (
     chunk_phase,
     chunk_scalars,
     decay_weights,
+    interpreting,
     launch,
     load_dense,
     load_tile,
@@ -88,45 +90,52 @@ if triton is not None:
                 b_rE * b_gO - b_rO * b_gE)  # fmt: skip
 
     @triton.jit
-    def _gated_do(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
-                  HAS_Z: tl.constexpr):  # fmt: skip
+    def _gate(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
+              HAS_Z: tl.constexpr):  # fmt: skip
         """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
-        columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output."""
+        columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
+        dy ⊙ silu'(z), which times the pre-gate output is dz (without z: dy, and dy again)."""
         b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
         if HAS_Z:
             b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
-            return b_dy * b_z * sigmoid(b_z)
-        return b_dy
+            b_sg = sigmoid(b_z)
+            return b_dy * b_z * b_sg, b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg))
+        return b_dy, b_dy
 
-    @triton.jit
-    def _gate_slope(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr):
-        """dy ⊙ silu'(z) for the tiles of :func:`_gated_do`, fp32: times the pre-gate output, dz."""
-        b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
-        b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
-        b_sg = sigmoid(b_z)
-        return b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg))
+    if interpreting():
+
+        @triton.jit
+        def _pin(x):
+            return x
+
+    else:
+
+        @triton.jit
+        def _pin(x):
+            """x (fp32) through an opaque copy, so it is computed once, where it is written: the
+            compiler would otherwise recompute a value used in several register layouts (a dot
+            operand, an elementwise term) from its loads in each of them."""
+            return tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1
+            )
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_dstate_kernel(
-        q, adt, dt, trap, q_bias, angles, phi_in, z, dy, g_in, dg_t, seg,
-        dg_out, dal, dg0, do_out,
+        q, adt, dt, trap, q_bias, angles, phi_in, z, dy, dg_t, seg, dg_out, dg0,
         T, NC, H, HPG, P, N, S, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
         """Rows i_v·BV.. of dG for one (batch, head), chunks in reverse. See the module
-        docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` and ``g_in`` are
-        (b·h, nc, BP, BN) in the dot dtype; ``dal`` is (b·h, p blocks, nc) fp32. With z, the
-        gated ``do`` (b, t, h, p) goes to ``do_out`` in the dot dtype, for kernel 2."""
+        docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` is (b·h, nc, BP, BN) in the
+        dot dtype."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        NV = tl.num_programs(0)
         i_b, i_h = i_bh // H, i_bh % H
         G = H // HPG
         i_g = i_h // HPG
         v0 = i_v * BV
         q += (i_b.to(tl.int64) * T * G + i_g) * N
         dy += (i_b.to(tl.int64) * T * H + i_h) * P + v0
-        do_out += (i_b.to(tl.int64) * T * H + i_h) * P + v0
         z += i_b.to(tl.int64) * s_zb + i_h * s_zh + v0
         angles += i_b.to(tl.int64) * s_ab + i_h * s_ah
         o_s = i_bh * T
@@ -138,7 +147,7 @@ if triton is not None:
         o_m = tl.arange(0, BN2)
         o_n = tl.arange(0, 2 * BN2)
         b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        DT = g_in.dtype.element_ty
+        DT = dg_out.dtype.element_ty
 
         o_g = i_bh.to(tl.int64) * P * N
         if HAS_DGT:
@@ -159,37 +168,32 @@ if triton is not None:
                 b_eA = tl.where(m_in, b_eA, 0.0)
                 b_eAL = tl.where(keep, b_eAL, 0.0)
 
-            # dG_out of this chunk: for kernel 2 (dot dtype) and the carried state's decay term.
+            # dG_out of this chunk, for kernel 2 (dot dtype).
             o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
             store_dense(dg_out + o_gc, v0, b_dG, BV, 2 * BN2)
-            b_Gc = load_dense(g_in + o_gc, v0, BV, 2 * BN2)
-            b_dAL = b_eAL * tl.sum(tl.sum(b_dG * b_Gc.to(tl.float32), axis=1), axis=0)
-            tl.store(dal + (i_bh * NV + i_v) * NC + i_c, b_dAL)
 
             b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
             b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
             b_qc = _rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2), b_qb, b_cos, b_sin,
                                  DT, BT, BN2)  # fmt: skip
-            b_doc = to_dot(_gated_do(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z), DT)
-            if HAS_Z:
-                store_tile(tile_ptr(do_out, T, P - v0, H * P, r0, BT, BV), b_doc)
-            b_doA = to_dot(b_doc.to(tl.float32) * b_eA[:, None], DT)
+            b_do, _ = _gate(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
+            b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_chunk_kernel(
-        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dal, dy, do,
-        seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
+        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, NV: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of one (batch, head). See the module docstring. ``do`` is kernel 1's gated
-        dy (dy itself without z): the dots' operand is loaded, never recomputed here, because
-        Triton would redo the gate in each dot operand's layout, for every warp (at 4 warps that
-        was a third of this kernel's instructions). dq, dk are (b, t, h, n) in the dot dtype,
-        per head: with grouped q, k (g < h) the caller sums a group's heads."""
+        """Chunk i_c of one (batch, head). See the module docstring. The gated ``do`` and the
+        gate's slope are pinned (:func:`_pin`): left to the compiler, the gate was recomputed
+        from dy and z in each layout ``do`` is used in, for every warp. dq, dk are (b, t, h, n)
+        in the dot dtype, per head: with grouped q, k (g < h) the caller sums a group's
+        heads."""
         i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         i_g = i_h // HPG
@@ -216,7 +220,7 @@ if triton is not None:
         m_low = m_strict
         if HAS_RESET:  # see the forward
             p_seg = seg + i_b * NC * BT
-            m_in, m_out, _keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
+            m_in, m_out, keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
             b_eA = tl.where(m_in, b_eA, 0.0)
             b_eL = tl.where(m_out, b_eL, 0.0)
             m_low = m_strict & m_same
@@ -232,8 +236,11 @@ if triton is not None:
         b_qc = _rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
         b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
         b_kc = _rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
-        p_z = z + i_b * s_zb + i_h * s_zh
-        b_doc = to_dot(load_tile(tile_ptr(do + o_p, T, P, H * P, r0, BT, BP)), DT)
+        b_do, b_gz = _gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
+                           HAS_Z)  # fmt: skip
+        if HAS_Z:
+            b_do, b_gz = _pin(b_do), _pin(b_gz)
+        b_doc = to_dot(b_do, DT)
 
         # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
         # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
@@ -272,7 +279,6 @@ if triton is not None:
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-            b_gz = _gate_slope(dy + o_p, p_z, H * P, s_zt, T, P, r0, BT, BP)
             store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
@@ -295,11 +301,15 @@ if triton is not None:
         tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
         tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
 
-        # The leaving state's exp(A_L)·G_in (kernel 1's partial sums) and its
-        # Σ_j exp(A_L − A_j) w_j x_j k̄_jᵀ: ∂/∂A_L, −∂/∂A_j and ∂/∂w_j.
-        b_dAL = 0.0
-        for i_v in tl.static_range(NV):
-            b_dAL += tl.load(dal + (i_bh * NV + i_v) * NC + i_c)
+        # The leaving state's exp(A_L)·G_in and its Σ_j exp(A_L − A_j) w_j x_j k̄_jᵀ: ∂/∂A_L,
+        # −∂/∂A_j and ∂/∂w_j. Both states are read again here (cache hits) rather than held.
+        b_eAL = tl.exp2(b_AL2)
+        if HAS_RESET:
+            b_eAL = tl.where(keep, b_eAL, 0.0)
+        b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
+            dg_out + o_gc, 0, BP, 2 * BN2
+        ).to(tl.float32)
+        b_dAL = b_eAL * tl.sum(tl.sum(b_GG, axis=1), axis=0)
         b_sw = b_ew * b_xu
         b_dAL += tl.sum(b_sw, axis=0)
         b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
@@ -417,12 +427,10 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     bv = max(16, min(cfgs["bwd_dstate"].bv or BP, BP))
     nv = triton.cdiv(BP, bv)
     dg_out = torch.empty_like(g_in)
-    dal = torch.empty(b * h, nv, nc, **f32)
     dg0 = torch.empty(b, h, p, n, **f32)
     seg_ = seg if seg is not None else trap  # never read without HAS_RESET
-    do = torch.empty_like(dy, dtype=v.dtype) if z is not None else dy
-    args = (q, adt, dt, trap, q_bias, angles, phi_in, zz, dy, g_in,
-            dg_t if dg_t is not None else dg0, seg_, dg_out, dal, dg0, do,
+    args = (q, adt, dt, trap, q_bias, angles, phi_in, zz, dy,
+            dg_t if dg_t is not None else dg0, seg_, dg_out, dg0,
             t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, HAS_Z=z is not None, HAS_DGT=dg_t is not None,
                  HAS_RESET=seg is not None)  # fmt: skip
@@ -444,14 +452,14 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dphi_c = torch.empty(b * h, nc, BN2, **f32)
     args = (
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles, d if d is not None else q_bias,
-        phi_in, g_in, dg_out, dal, dy, do, seg_,
+        phi_in, g_in, dg_out, dy, seg_,
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
         t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides, *a_strides,
     )  # fmt: skip
-    flags = dict(BT=BT, BP=BP, BN2=BN2, NV=nv, HAS_D=d is not None, HAS_Z=z is not None,
+    flags = dict(BT=BT, BP=BP, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_RESET=seg is not None)  # fmt: skip
     launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
-    del dg_out, do
+    del dg_out
     if hpg > 1:
         dq, dk = head_sums(dq, dk, g)
 
