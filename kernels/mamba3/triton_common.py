@@ -122,8 +122,9 @@ DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
 
 
 # The kernels' chunk where the table has no plan. On an H200 the main backward kernel ran 1.94 ms
-# at chunk 32 against 2.51 ms at 64 (bench/tune_scan.py, 2026-12-01), and compiled for sm_80 it
-# spills 752 B per thread at 32 against 4576 B at 64 (kernels/mamba3/triton_report.py).
+# at chunk 32 against 2.51 ms at 64 (bench/tune_scan.py, 2026-12-01), and compiled for sm_80
+# under the defaults the chunk kernel has no spills at 32 against 836 B per thread at 64
+# (kernels/mamba3/triton_report.py, 2026-12-02).
 DEFAULT_CHUNK = 32
 
 
