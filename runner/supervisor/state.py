@@ -64,6 +64,13 @@ class StateFile:
         self._fields = {f.name for f in dataclasses.fields(RunState)}
         self._last_write = 0.0
 
+    def resume_step(self, resume: str) -> int | None:
+        """The step a worker started with ``resume`` continues from, as far as the supervisor
+        knows (None: from the start)."""
+        if resume.isdigit():
+            return int(resume)
+        return self.state.last_checkpoint_step if resume == "latest" else None
+
     def _text(self) -> str:
         return json.dumps(self.state.to_dict(), sort_keys=True)
 

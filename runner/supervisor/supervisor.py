@@ -13,13 +13,13 @@ in its own process group (worker) and watches it:
   near capacity (hang.VramWatch);
 * every new checkpoint is verified complete (sha256) in a background thread (checkpoints).
 
-Restart policy (restarts): the first restart (of the launch, or since a new complete
-checkpoint) is immediate, each further one in a row waits ``backoff_initial_s`` doubling up to
-``backoff_max_s``, counted from the worker's exit; at most ``max_restarts`` restarts per
-``restart_window_s``; ``no_progress_restarts`` restarts in a row without a new complete
-checkpoint end the run (exit 70). Exit 76 restarts from the checkpoint before the latest one
-with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for consecutive exits
-76); exit 78 is never restarted.
+Restart policy (restarts; its record and wait: relaunch): the first restart (of the launch, or
+since a new complete checkpoint) is immediate, each further one in a row waits
+``backoff_initial_s`` doubling up to ``backoff_max_s``, counted from the worker's exit; at most
+``max_restarts`` restarts per ``restart_window_s``; ``no_progress_restarts`` restarts in a row
+without a new complete checkpoint end the run (exit 70). Exit 76 restarts from the checkpoint
+before the latest one with the learning rate scaled by ``nan_lr_factor`` (squared, cubed, … for
+consecutive exits 76); exit 78 is never restarted.
 Before a relaunch the dead worker's GPU memory must be released and the GPU healthy. On a GPU
 host (``warm_spare``) the next worker waits started and imported while one trains, and a
 restart hands it the worker's arguments (spare); a launch that runs the smoke test starts its
@@ -66,7 +66,8 @@ from runner.supervisor.checkpoints import CheckpointTracker, LrCut
 from runner.supervisor.events import EventLog
 from runner.supervisor.hang import HangDetector, VramWatch
 from runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
-from runner.supervisor.restarts import RestartPolicy, diagnose
+from runner.supervisor.relaunch import Relaunch
+from runner.supervisor.restarts import diagnose
 from runner.supervisor.settings import SupervisorSettings
 from runner.supervisor.spare import SparePolicy
 from runner.supervisor.state import StateFile, end_unwritable
@@ -134,13 +135,22 @@ class Supervisor:
         )
         self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
         self.lr_cut = LrCut(self.checkpoints, settings.nan_lr_factor)
-        self.restarts = RestartPolicy(settings)
         self._watcher: Any = None  # runner.supervisor.preemption.PreemptionWatcher
         self._mirror: Any = None  # runner.supervisor.mirror_sync.MirrorSync
         self.state_file = StateFile(
             self.run_dir, prev, settings, config_hash=config_hash, lr_scale=lr_scale, resume=resume
         )
         self.state = self.state_file.state
+        self.relaunch = Relaunch(
+            settings,
+            self.run_dir / WORKER_LOG,
+            self.state_file,
+            self._write_state,
+            self.log,
+            self.preflight,
+            self.gpu,
+            lambda: self.stops.requested,
+        )
 
     # ----------------------------------------------------------------- public
 
@@ -267,7 +277,7 @@ class Supervisor:
         """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
         the mirror), and state.json follows the newest usable step."""
         if progressed:
-            self.restarts.progress()
+            self.relaunch.policy.progress()
             if self._mirror is not None:
                 self._mirror.notify()
         if self.checkpoints.last_step != self.state.last_checkpoint_step:
@@ -291,9 +301,6 @@ class Supervisor:
             )
         )
 
-    def _health_gate(self, when: str) -> int | None:
-        return self._ended(self.preflight.gate(when))
-
     def _ended(self, end: PreflightEnd | None) -> int | None:
         if end is None:
             return None
@@ -307,13 +314,6 @@ class Supervisor:
 
     # ----------------------------------------------------------------- one worker
 
-    def _resume_step(self, resume: str) -> int | None:
-        """The step a worker started with ``resume`` continues from, as far as the supervisor
-        knows (None: from the start)."""
-        if resume.isdigit():
-            return int(resume)
-        return self.state.last_checkpoint_step if resume == "latest" else None
-
     def _spawn(self, resume: str) -> WorkerProcess:
         self._attempt += 1
         self.lr_cut.launched(resume, self.lr_scale)
@@ -322,7 +322,7 @@ class Supervisor:
         worker = self.worker = WorkerProcess(
             self.run_dir, argv, env, self._attempt, spare=self.spares.spare
         )
-        self.spares.worker_started(self._resume_step(resume))
+        self.spares.worker_started(self.state_file.resume_step(resume))
         self.hang.new_worker(worker.spawn_wall)
         self._write_state(
             force=True,
@@ -467,68 +467,12 @@ class Supervisor:
                 )
             kind, reason, resume = diagnose(out, self.checkpoints, self.lr_cut)
             self.lr_scale = self.lr_cut.lr_scale_for(resume)
-            code_or_none = self._restart_or_give_up(kind, reason, code, resume, worker.pid, seen)
-            if code_or_none is not None:
-                return code_or_none
-
-    def _restart_or_give_up(
-        self, kind: str, reason: str, exit_code: int, resume: str, dead_pid: int, exited: float
-    ) -> int | None:
-        """The backoff counts from the worker's exit (monotonic `exited`): the verification of
-        what it left, done since, is part of the wait rather than added to it."""
-        grant = self.restarts.grant(reason, self.run_dir / WORKER_LOG)
-        if isinstance(grant, str):
-            return self._end(SupervisorPhase.FAILED, EXIT_SOFTWARE, grant, level="error")
-        resume_step = self._resume_step(resume)
-        self.state.restarts.append(
-            {
-                "time": grant.time,
-                "reason": reason,
-                "kind": kind,
-                "exit_code": exit_code,
-                "resume": resume,
-                "resume_step": resume_step,
-                "lr_scale": self.lr_scale,
-                "backoff_s": grant.backoff_s,
-                "supervisor_pid": os.getpid(),
-            }
-        )
-        self._write_state(
-            force=True,
-            phase=SupervisorPhase.RESTARTING,
-            reason=reason,
-            worker_pid=None,
-            worker_create_time=None,
-            lr_scale=self.lr_scale,
-        )
-        self.log.emit(
-            "rollback" if kind == "nan" else "restart",
-            reason=reason,
-            kind=kind,
-            exit_code=exit_code,
-            resume=resume,
-            resume_step=resume_step,
-            backoff_s=grant.backoff_s,
-            wait_s=round(max(0.0, exited + grant.backoff_s - time.monotonic()), 3),
-            restart=len(self.state.restarts),
-            restarts_in_window=grant.in_window,
-        )
-        deadline = exited + grant.backoff_s
-        while time.monotonic() < deadline:
-            if self.stops.requested:
-                return self._stopped_without_worker()
-            self._write_state()  # keeps updated_at fresh for the liveness check
-            time.sleep(min(self.s.poll_s, max(0.0, deadline - time.monotonic())))
-        if self.gpu is not None:
-            self.gpu.wait_released(dead_pid)
-        if self.gpu is not None:
-            code = self._health_gate("before restart")
-            if code is not None:
-                return code
-        if self.stops.requested:
-            return self._stopped_without_worker()
-        self.resume = resume
-        return None
+            end = self.relaunch.prepare(
+                kind, reason, resume, self.lr_scale, exit_code=code, pid=worker.pid, exited=seen
+            )
+            if end is not None:
+                return self._ended(end)
+            self.resume = resume
 
     def _stop_outcome(self, out: Outcome) -> int:
         ckpt = self.state.last_checkpoint_step
