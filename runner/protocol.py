@@ -85,6 +85,8 @@ def worker_exit_file(local_rank: int = 0) -> str:
 #                                   "7x3": the first 3 attempts at step ≥ 7 (skipped steps retry)
 #   M3RUN_FAULT="nan_from_step=7"   every step from 7 on is NaN (rollback cannot heal → exit 76)
 #   M3RUN_FAULT="hang_at_step=7"    the worker sleeps forever before step 7
+#   M3RUN_FAULT="hold_at_step=7"    the worker waits before step 7 (heartbeat going) until
+#                                   SIGTERM/SIGINT, then runs step 7 and stops: a test's pacing
 #   M3RUN_FAULT="crash_at_step=7"   the worker exits 1 before step 7
 #                                   (a checkpoint write in flight finishes first, as in any crash
 #                                   that unwinds Python; only a SIGKILL loses it)

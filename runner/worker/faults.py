@@ -21,6 +21,10 @@ class Faults:
     # Run before a crash fault exits: the trainer finishes a checkpoint write in flight, as any
     # crash that unwinds Python does (Trainer.close); SIGKILL is what loses an in-flight write.
     before_crash: Callable[[], object] | None = None
+    # hold_at_step: whether a stop was asked for (ends the hold), and the heartbeat written while
+    # held (a held worker is paused by the test, not hung).
+    stop_requested: Callable[[], bool] = lambda: True
+    while_held: Callable[[], object] = lambda: None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -50,6 +54,11 @@ class Faults:
             print(f"[fault] hang before step {step}", flush=True)
             while True:
                 time.sleep(3600)
+        if self._once("hold_at_step", step):
+            print(f"[fault] holding before step {step} until a stop signal", flush=True)
+            while not self.stop_requested():
+                self.while_held()
+                time.sleep(0.02)
 
     def poison(self, step: int) -> bool:
         if "nan_from_step" in self.spec and step >= int(self.spec["nan_from_step"]):

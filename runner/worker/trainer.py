@@ -74,6 +74,7 @@ class Trainer:
         # each part before its own first use of it.
         self.compile_stack = compile_stack
         self.faults = Faults.from_env()
+        self.faults.stop_requested = lambda: self.stop_signal is not None
         self.stop_signal: int | None = None
         self.step = 0
         self.tokens_seen = 0
@@ -142,6 +143,7 @@ class Trainer:
         self.local_accum = self.dist.local_accumulation(cfg)
         self.scan_backend = resolve_scan_backend(cfg, self.device)
         self.telemetry = Telemetry(cfg, self.run_dir, self.dist, self.device, lambda: self.step)
+        self.faults.while_held = lambda: self.telemetry.heartbeat(force=True)
         self.telemetry.heartbeat(force=True)
         self.faults.startup()
         self.autocast_dtype = resolve_precision(cfg, self.device)

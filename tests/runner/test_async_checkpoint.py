@@ -264,7 +264,9 @@ def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_comp
     ov = _overrides(corpus, **{"train.total_steps": 40})
     proc = subprocess.Popen(
         worker_cmd(run_dir, ov),
-        env=_env("slow_save=2.0"),
+        # The worker holds before step 7 until the SIGTERM: the stop then comes after step 7,
+        # before the step-10 save could wait for step 5's write (that wait is stall too).
+        env=_env("slow_save=2.0,hold_at_step=7"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -292,7 +294,7 @@ def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_comp
     stopped_at = int(
         re.search(r"stopped at step (\d+); checkpoint step \1 is complete", out).group(1)
     )
-    assert stopped_at > in_flight
+    assert (in_flight, stopped_at) == (5, 7)
     assert f"waiting for checkpoint step {in_flight} to finish writing" in out
     assert latest_complete(run_dir).step == stopped_at
     assert {in_flight, stopped_at} <= set(_complete_steps(run_dir))
