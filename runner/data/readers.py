@@ -111,7 +111,12 @@ def _open_text(path: Path, compression: str | None) -> IO[str]:
 _DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, OSError)
 
 
-def _decompress_errors() -> tuple[type[BaseException], ...]:
+def _decompress_errors(compression: str | None) -> tuple[type[BaseException], ...]:
+    """What reading a file of this compression raises for a damaged file. Evaluated before the
+    read starts: an `except` clause's expression also runs when the reader generator is closed
+    early, and an import there would fail the close."""
+    if compression != ".zst":
+        return _DECOMPRESS_ERRORS
     import zstandard
 
     return (*_DECOMPRESS_ERRORS, zstandard.ZstdError)
@@ -313,9 +318,10 @@ def read_file(path: Path, field: str, separator: str | None) -> Iterator[str | N
         "parquet": lambda: _parquet(path, field),
         "arrow": lambda: _arrow(path, field),
     }
+    damaged = _decompress_errors(compression)
     try:
         yield from readers[fmt]()
     except BadFile:
         raise
-    except _decompress_errors() as e:
+    except damaged as e:
         raise BadFile(path, f"cannot be read or decompressed ({type(e).__name__}: {e})") from e

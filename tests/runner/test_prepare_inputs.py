@@ -341,3 +341,20 @@ def test_tokenizer_training_reports_progress_off_a_terminal(tmp_path):
         if "training bpe:300:" in ln and " MB of text" in ln
     }
     assert len(during) >= 2, done.stderr
+
+
+def test_a_reader_closed_early_needs_no_zstd_for_a_plain_file(tmp_path, monkeypatch):
+    """Stopping a reader part-way (a prepare that has read enough) closes its generator; for a
+    plain file that must not import the zstd module, which reading it never needed."""
+    from runner.data.readers import BLANK_LINES, read_file
+
+    path = tmp_path / "a.txt"
+    path.write_text("first document\n\nsecond document\n", encoding="utf-8")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # `import zstandard` now fails
+    texts = read_file(path, "text", BLANK_LINES)
+    assert next(texts).strip() == "first document"
+    texts.close()
+    assert [t.strip() for t in read_file(path, "text", BLANK_LINES)] == [
+        "first document",
+        "second document",
+    ]
