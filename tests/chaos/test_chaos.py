@@ -112,9 +112,11 @@ def _spares_of(supervisor_pid: int) -> list[psutil.Process]:
 def test_sigkill_hands_the_run_to_the_warm_spare(corpus, reference, tmp_path):
     """supervisor.warm_spare true: once the worker trains, its successor waits, imported; a
     SIGKILL makes that process the worker, which resumes and ends bitwise equal to the
-    uninterrupted run. The first worker hangs at step 6 (a fault for it alone), which paces the
-    test: the spare is found before the kill. Every spare is gone when the run ends."""
-    env = worker_env(**{FAULT_ENV: "hang_at_step=6", FAULT_SCOPE_ENV: "first"})
+    uninterrupted run. The first worker holds before step 6, its heartbeat going (a fault for it
+    alone), which paces the test: the spare is found before the kill. (A hang fault would not
+    do: its last heartbeat can name step 4, heartbeats being at most one per interval, and the
+    supervisor would end it as hung.) Every spare is gone when the run ends."""
+    env = worker_env(**{FAULT_ENV: "hold_at_step=6", FAULT_SCOPE_ENV: "first"})
     run = Run(tmp_path / "run", overrides(corpus, **{"supervisor.warm_spare": "true"}), env=env)
     sup = run.proc.pid
     first = run.worker_at(5)
