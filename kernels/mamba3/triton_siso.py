@@ -86,10 +86,9 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, d
     b, t, g, n = q.shape
     h, p, s = v.shape[2], v.shape[3], angles.shape[3]
     f32 = dict(dtype=torch.float32, device=v.device)
-    dqk = v.dtype if g == h else torch.float32
     return [
-        torch.empty(b, t, g, n, dtype=dqk, device=v.device),
-        torch.empty(b, t, g, n, dtype=dqk, device=v.device),
+        v.new_empty(b, t, g, n),
+        v.new_empty(b, t, g, n),
         v.new_empty(b, t, h, p),
         z.new_empty(b, t, h, p) if z is not None else v.new_empty(0),
         *(torch.empty(b, h, t, **f32) for _ in range(3)),
