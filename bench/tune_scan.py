@@ -30,22 +30,30 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
                    C(4, 2, bv=16), C(4, 1, 128), C(4, 2, 128)],
     # maxnreg 168 / 128: three / four programs an SM instead of two (ncu: latency-bound at 12%
-    # occupancy), for 196 / 472 B of spills a thread against none (sm_90, ptxas).
-    "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128)],
+    # occupancy), for 196 / 472 B of spills a thread against none (sm_90, ptxas). hpp 2 / 4:
+    # half / a quarter of the per-head dq, dk written and summed (timed with the head sum);
+    # ptxas at chunk 32, sm_90: 12 B of spills at 8 warps and hpp 2, 728 B at (4, 1, 168, 2).
+    "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128),
+                  C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+# A kernel whose work depends on another's configuration, timed with it: the head sum adds
+# what the chunk kernel's hpp leaves of a group's dq, dk (nothing at a whole group).
+FOLLOWERS = {"bwd_chunk": "bwd_head_sum"}
+
+
 def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
     """Every launch of one forward+backward under ``plan`` (executed, whatever the table says
-    now), by kernel name, kept for re-timing: (kernel, grid, args, constexprs)."""
+    now), by kernel name, kept for re-timing: (kernel, grid, args, constexprs, config)."""
     launches = {}
 
     def rec(name, kern, grid, args, ce, cfg):
         kern[grid](*args, **ce, **cfg.launch_kwargs())
-        launches[name] = (kern, grid, args, ce)
+        launches[name] = (kern, grid, args, ce, cfg)
 
     leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
     saved = triton_siso.plan_for
@@ -63,9 +71,9 @@ def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
 
 def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
     """Time each kernel alone under each candidate at this chunk; returns the sum of the best
-    times (ms) and {kernel: best config as a dict}. A
-    candidate that changes a launch's grid or buffers (a ``bv`` other than the default's) is
-    recorded afresh from a forward+backward under it."""
+    times (ms) and {kernel: best config as a dict}. A candidate that changes a launch's grid
+    or buffers (a ``bv`` or ``hpp`` other than the default's) is recorded afresh from a
+    forward+backward under it; a kernel's follower (FOLLOWERS) is timed with it."""
     import triton.testing
 
     base = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS)))
@@ -76,21 +84,26 @@ def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
         times = []
         for cfg in CANDIDATES[name]:
             try:
-                if cfg.bv != tc.DEFAULT_CONFIGS[name].bv:
-                    configs = dict(tc.DEFAULT_CONFIGS, **{name: cfg})
-                    kern, grid, args, ce = record(x, tc.Plan(chunk, configs))[name]
-                else:
-                    kern, grid, args, ce = base[name]
+                default = tc.DEFAULT_CONFIGS[name]
+                launches = base
+                if (cfg.bv, cfg.hpp) != (default.bv, default.hpp):
+                    launches = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS, **{name: cfg})))
+                kern, grid, args, ce, _ = launches[name]
+                follower = launches.get(FOLLOWERS.get(name, ""))
 
-                def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg):
+                def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg, follower=follower):
                     kern[grid](*args, **ce, **cfg.launch_kwargs())
+                    if follower is not None:
+                        f_kern, f_grid, f_args, f_ce, f_cfg = follower
+                        f_kern[f_grid](*f_args, **f_ce, **f_cfg.launch_kwargs())
 
                 ms = triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
             except Exception as exc:  # a config that does not compile or launch here
                 log(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
                 continue
             times.append((ms, cfg))
-            log(f"  {name:9} {cfg.as_dict()}: {ms * 1e3:8.1f} us")
+            with_follower = f" (with {FOLLOWERS[name]})" if name in FOLLOWERS else ""
+            log(f"  {name:9} {cfg.as_dict()}: {ms * 1e3:8.1f} us{with_follower}")
         ms, cfg = min(times, key=lambda mc: mc[0])
         log(f"{name}: best {cfg.as_dict()} {ms * 1e3:.1f} us")
         best[name] = cfg.as_dict()

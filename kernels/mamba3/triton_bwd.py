@@ -14,7 +14,7 @@ store it makes is time on the backward's one serial path.
    the dots of kernel 2 use), and at the end the start-state gradient. q̄ is rebuilt from q, the
    bias and the angle entering the chunk (saved by the forward) exactly as the forward built
    it; with a gate, ``do = dy ⊙ silu(z)`` is formed in registers and not written.
-2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·heads): for one chunk and head, q̄ and k̄
+2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·heads/hpp): for one chunk and head, q̄ and k̄
    (rotated in registers), ``do`` and the gate's slope from one load of ``dy`` and ``z``, the
    scores, and every gradient: ``dv``, ``dz`` (recomputing the pre-gate output), ``dq̄``,
    ``dk̄``, the trapezoid-weight gradients ``dw`` and ``dcur``, the ``d`` partial sum and the
@@ -25,8 +25,9 @@ store it makes is time on the backward's one serial path.
    Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
    bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
-   of the rotated frame goes to memory; ``dq, dk`` are written per head in the dot dtype and,
-   for grouped q and k, summed over the group's heads by kernel 4 (fp32 accumulation).
+   of the rotated frame goes to memory. A program may take several heads of a group of grouped
+   q, k in turn (the plan's ``hpp``); ``dq, dk`` are written in the dot dtype per head or per
+   such block of heads (their fp32 sum), and what is left of a group's sum is kernel 4's.
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
@@ -36,7 +37,7 @@ store it makes is time on the backward's one serial path.
    chunk boundary).
 
 4. ``siso_bwd_head_sum_kernel`` (grouped q, k only; grid: row blocks × 2): each group's
-   per-head ``dq, dk`` summed over its heads in fp32, in head order, and written in the dot
+   per-head (or per-block) ``dq, dk`` summed in fp32, in head order, and written in the dot
    dtype. A streaming kernel with a fixed launch (no table entry). Left to PyTorch inside a
    compiled block, inductor's reduction over the strided head axis read the partials at under a
    third of the bandwidth this does.
@@ -186,21 +187,20 @@ if triton is not None:
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
 
-    @triton.jit(do_not_specialize=["T", "NC"])
-    def siso_bwd_chunk_kernel(
+    @triton.jit
+    def _chunk_head(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
-        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of one (batch, head). See the module docstring. The gated ``do`` and the
-        gate's slope are pinned (:func:`_pin`): left to the compiler, the gate was recomputed
-        from dy and z in each layout ``do`` is used in, for every warp. dq, dk are (b, t, h, n)
-        in the dot dtype, per head: with grouped q, k (g < h) the caller sums a group's
-        heads."""
-        i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+        """Chunk i_c of head i_h of batch i_b: every gradient written, but with HPP > 1 dq and
+        dk, which are added to the (BT × 2·BN2, fp32) ``acc_q``, ``acc_k`` and returned. With
+        HPP = 1 each is stored as soon as it is formed, so it holds no registers after. The gated
+        ``do`` and the gate's slope are pinned (:func:`_pin`): left to the compiler, the gate was
+        recomputed from dy and z in each layout ``do`` is used in, for every warp."""
+        i_bh = i_b * H + i_h
         i_g = i_h // HPG
         G = H // HPG
         o_t = tl.arange(0, BT)
@@ -217,7 +217,7 @@ if triton is not None:
         p_k = tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)
         o_s = i_bh * T
         o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
-        o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk
+        o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk with HPP = 1
         b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
                                                       o_tc, m_t, o_t, BT)  # fmt: skip
         b_eA = tl.exp2(b_A2)
@@ -277,7 +277,10 @@ if triton is not None:
         o_b = ((i_b * NC + i_c) * H + i_h) * N
         b_daE, b_daO, b_dphi = _rotate_back(b_dqr, b_qc, b_cos, b_sin, BT, BN2)
         b_dq = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dq + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dq)
+        if HPP == 1:
+            store_tile(tile_ptr(dq + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dq)
+        else:
+            acc_q += b_dq
         tl.store(dqb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
         tl.store(dqb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
         if HAS_Z:
@@ -298,7 +301,10 @@ if triton is not None:
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * tl.dot(b_x, b_dGc)
         b_daE, b_daO, b_dphik = _rotate_back(b_dkr, b_kc, b_cos, b_sin, BT, BN2)
         b_dk = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        store_tile(tile_ptr(dk + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dk)
+        if HPP == 1:
+            store_tile(tile_ptr(dk + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dk)
+        else:
+            acc_k += b_dk
         tl.store(dkb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
         tl.store(dkb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
         b_dphi = tl.where(m_a, b_dphi + b_dphik, 0.0)
@@ -320,6 +326,45 @@ if triton is not None:
         b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
         tl.store(dadt + o_s + o_tc, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
         tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
+        return acc_q, acc_k
+
+    @triton.jit(do_not_specialize=["T", "NC"])
+    def siso_bwd_chunk_kernel(
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
+        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+    ):  # fmt: skip
+        """Chunk i_c of HPP consecutive heads of one group of one batch (grid: chunks × batch ·
+        h/HPP). See the module docstring. dq, dk are (b, t, h/HPP, n) in the dot dtype: each
+        program's heads summed in fp32 (with HPP = 1, per head); where that is not a whole
+        group of grouped q, k, the caller sums the rest."""
+        i_c, i_bp = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        NB = H // HPP
+        i_b, i_blk = i_bp // NB, i_bp % NB
+        if HPP == 1:
+            _chunk_head(
+                q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
+                seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, 0.0, 0.0, i_c,
+                i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET,
+            )  # fmt: skip
+        else:
+            b_dq = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
+            b_dk = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
+            for j in range(HPP):
+                b_dq, b_dk = _chunk_head(
+                    q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
+                    dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, b_dq,
+                    b_dk, i_c, i_b, i_blk * HPP + j, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh,
+                    s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z,
+                    HAS_RESET,
+                )  # fmt: skip
+            o_out = (i_b * T * NB + i_blk) * N
+            r0 = i_c * BT
+            store_tile(tile_ptr(dq + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dq)
+            store_tile(tile_ptr(dk + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dk)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
@@ -490,8 +535,12 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     # Per-head dq, dk in the dot dtype: the autograd Function returns them in it, and for
     # grouped q, k the per-head partials are summed in fp32 from values rounded once each
     # (half the bytes of fp32 partials, written here and read by the sum).
-    dq = torch.empty(b, t, h, n, dtype=v.dtype, device=dev)
-    dk = torch.empty(b, t, h, n, dtype=v.dtype, device=dev)
+    # hpp heads a program (the largest divisor of a group's heads up to the plan's): dq, dk of
+    # each block of hpp heads, summed.
+    want = min(cfgs["bwd_chunk"].hpp, hpg)
+    hpp = max(j for j in range(1, want + 1) if hpg % j == 0)
+    dq = torch.empty(b, t, h // hpp, n, dtype=v.dtype, device=dev)
+    dk = torch.empty(b, t, h // hpp, n, dtype=v.dtype, device=dev)
     dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
     dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
@@ -506,11 +555,12 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
         t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides, *a_strides,
     )  # fmt: skip
-    flags = dict(BT=BT, BP=BP, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None,
+    flags = dict(BT=BT, BP=BP, BN2=BN2, HPP=hpp, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_RESET=seg is not None)  # fmt: skip
-    launch("bwd_chunk", siso_bwd_chunk_kernel, (nc, b * h), args, flags, cfgs["bwd_chunk"])
+    grid = (nc, b * h // hpp)
+    launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out
-    if hpg > 1:
+    if hpg > hpp:
         dq, dk = head_sums(dq, dk, g)
 
     # 3. The angle gradients and the trapezoid chain rule, chunk by chunk.

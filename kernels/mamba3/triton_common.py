@@ -92,13 +92,17 @@ KERNELS = ("fwd", "bwd_dstate", "bwd_chunk", "bwd_angle")
 @dataclass(frozen=True)
 class LaunchConfig:
     """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
-    .maxnreg; None leaves it to the compiler) and a block size ``bv`` (0: all) of p for the
-    forward and the backward's state kernel (the other kernels take no block size: 0)."""
+    .maxnreg; None leaves it to the compiler), a block size ``bv`` (0: all) of p for the
+    forward and the backward's state kernel (the other kernels take no block size: 0) and, for
+    the backward's chunk kernel, the heads ``hpp`` one program takes in turn (grouped q, k: it
+    sums their dq, dk, so fewer partials are written and summed; a call uses the largest
+    divisor of a group's heads not above it, so 1 where q, k are per head)."""
 
     num_warps: int
     num_stages: int
     maxnreg: int | None = None
     bv: int = 0
+    hpp: int = 1
 
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -107,8 +111,11 @@ class LaunchConfig:
         return kw
 
     def as_dict(self) -> dict:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
-                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
+        out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
+               "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
+        if self.hpp != 1:  # a table entry names it only where it is not the default
+            out["hpp"] = self.hpp
+        return out
 
 
 # Used where the table has no entry for the GPU architecture and shape: fits every supported
