@@ -32,9 +32,12 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # maxnreg 168 / 128: three / four programs an SM instead of two (ncu: latency-bound at 12%
     # occupancy), for 196 / 472 B of spills a thread against none (sm_90, ptxas). hpp 2 / 4:
     # half / a quarter of the per-head dq, dk written and summed (timed with the head sum);
-    # ptxas at chunk 32, sm_90: 12 B of spills at 8 warps and hpp 2, 728 B at (4, 1, 168, 2).
+    # cpp with stages > 1: a chunk's loads under the work on the one before (cp.async). ptxas at
+    # chunk 32, sm_90: 12 B of spills at 8 warps and hpp 2, 728 B at (4, 1, 168, hpp 2); 8 B at
+    # (8, 2, cpp 2), 696 B at (4, 2, 168, cpp 2).
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128),
-                  C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2)],
+                  C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2),
+                  C(8, 2, cpp=2), C(8, 2, cpp=4), C(8, 3, cpp=4), C(4, 2, 168, cpp=2)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
@@ -72,7 +75,7 @@ def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
 def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
     """Time each kernel alone under each candidate at this chunk; returns the sum of the best
     times (ms) and {kernel: best config as a dict}. A candidate that changes a launch's grid
-    or buffers (a ``bv`` or ``hpp`` other than the default's) is recorded afresh from a
+    or buffers (a ``bv``, ``hpp`` or ``cpp`` other than the default's) is recorded afresh from a
     forward+backward under it; a kernel's follower (FOLLOWERS) is timed with it."""
     import triton.testing
 
@@ -86,7 +89,7 @@ def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
             try:
                 default = tc.DEFAULT_CONFIGS[name]
                 launches = base
-                if (cfg.bv, cfg.hpp) != (default.bv, default.hpp):
+                if (cfg.bv, cfg.hpp, cfg.cpp) != (default.bv, default.hpp, default.cpp):
                     launches = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS, **{name: cfg})))
                 kern, grid, args, ce, _ = launches[name]
                 follower = launches.get(FOLLOWERS.get(name, ""))

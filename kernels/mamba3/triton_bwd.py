@@ -14,7 +14,7 @@ store it makes is time on the backward's one serial path.
    the dots of kernel 2 use), and at the end the start-state gradient. q̄ is rebuilt from q, the
    bias and the angle entering the chunk (saved by the forward) exactly as the forward built
    it; with a gate, ``do = dy ⊙ silu(z)`` is formed in registers and not written.
-2. ``siso_bwd_chunk_kernel`` (grid: chunks × batch·heads/hpp): for one chunk and head, q̄ and k̄
+2. ``siso_bwd_chunk_kernel`` (grid: chunks/cpp × batch·heads/hpp): for one chunk and head, q̄ and k̄
    (rotated in registers), ``do`` and the gate's slope from one load of ``dy`` and ``z``, the
    scores, and every gradient: ``dv``, ``dz`` (recomputing the pre-gate output), ``dq̄``,
    ``dk̄``, the trapezoid-weight gradients ``dw`` and ``dcur``, the ``d`` partial sum and the
@@ -27,7 +27,9 @@ store it makes is time on the backward's one serial path.
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
    of the rotated frame goes to memory. A program may take several heads of a group of grouped
    q, k in turn (the plan's ``hpp``); ``dq, dk`` are written in the dot dtype per head or per
-   such block of heads (their fp32 sum), and what is left of a group's sum is kernel 4's.
+   such block of heads (their fp32 sum), and what is left of a group's sum is the head sum's
+   (below). A program may also take ``cpp`` consecutive chunks in turn, so that under
+   num_stages > 1 the compiler loads a chunk's tiles while the one before is worked on.
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
    of ``dΦ`` from ``u`` on: a two-level fp32 sum, the chunk-local reverse cumsum plus the sum
@@ -36,15 +38,8 @@ store it makes is time on the backward's one serial path.
    chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (a shift by one token, read across the
    chunk boundary).
 
-4. ``siso_bwd_head_sum_kernel`` (grouped q, k only; grid: row blocks × 2): each group's
-   per-head (or per-block) ``dq, dk`` summed in fp32, in head order, and written in the dot
-   dtype. A streaming kernel with a fixed launch (no table entry). Left to PyTorch inside a
-   compiled block, inductor's reduction over the strided head axis read the partials at under a
-   third of the bandwidth this does.
-5. ``siso_bwd_param_sum_kernel`` (grid: column blocks × 3): kernel 2's per-(batch, chunk)
-   partials of the bias and ``d`` gradients summed over batch and chunks in fp32, in order, one
-   launch for the three (as PyTorch reductions they were three kernels and 31 µs a call at the
-   benchmark's shape).
+The partial sums that end it, the head sum (grouped q, k over their heads) and the parameters'
+gradients over batch and chunks, are :mod:`kernels.mamba3.triton_sums`.
 """
 
 from __future__ import annotations
@@ -73,6 +68,7 @@ from .triton_common import (
     to_dot,
     triton,
 )
+from .triton_sums import head_sums, param_sums
 
 if triton is not None:
     if interpreting():
@@ -328,21 +324,16 @@ if triton is not None:
         tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
         return acc_q, acc_k
 
-    @triton.jit(do_not_specialize=["T", "NC"])
-    def siso_bwd_chunk_kernel(
+    @triton.jit
+    def _chunk_block(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
-        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c, i_b, i_blk,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of HPP consecutive heads of one group of one batch (grid: chunks × batch ·
-        h/HPP). See the module docstring. dq, dk are (b, t, h/HPP, n) in the dot dtype: each
-        program's heads summed in fp32 (with HPP = 1, per head); where that is not a whole
-        group of grouped q, k, the caller sums the rest."""
-        i_c, i_bp = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        NB = H // HPP
-        i_b, i_blk = i_bp // NB, i_bp % NB
+        """Chunk i_c of the HPP heads of block i_blk of batch i_b: their gradients, dq and dk
+        summed over the block."""
         if HPP == 1:
             _chunk_head(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
@@ -351,6 +342,7 @@ if triton is not None:
                 s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET,
             )  # fmt: skip
         else:
+            NB = H // HPP
             b_dq = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
             b_dk = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
             for j in range(HPP):
@@ -365,6 +357,39 @@ if triton is not None:
             r0 = i_c * BT
             store_tile(tile_ptr(dq + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dq)
             store_tile(tile_ptr(dk + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dk)
+
+    @triton.jit(do_not_specialize=["T", "NC"])
+    def siso_bwd_chunk_kernel(
+        q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
+        dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+    ):  # fmt: skip
+        """CPP consecutive chunks, in turn, of HPP consecutive heads of one group of one batch
+        (grid: chunk blocks × batch · h/HPP). See the module docstring. dq, dk are
+        (b, t, h/HPP, n) in the dot dtype: each program's heads summed in fp32 (with HPP = 1,
+        per head); where that is not a whole group of grouped q, k, the caller sums the rest.
+        With CPP > 1 and num_stages > 1 the compiler can load a chunk's tiles while the one
+        before is worked on."""
+        i_cb, i_bp = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        NB = H // HPP
+        i_b, i_blk = i_bp // NB, i_bp % NB
+        if CPP == 1:
+            _chunk_block(
+                q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
+                seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_cb, i_b,
+                i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at,
+                s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET,
+            )  # fmt: skip
+        else:
+            for i_c in range(i_cb * CPP, tl.minimum(NC, i_cb * CPP + CPP)):
+                _chunk_block(
+                    q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
+                    dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c,
+                    i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                    s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET,
+                )  # fmt: skip
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
@@ -418,86 +443,6 @@ if triton is not None:
         tl.store(ddt + o_s + o_tc, b_ddt, mask=m_t)
         b_dtrap = b_dt * (b_dw + b_dcur - b_dwp) * b_lam * (1.0 - b_lam)
         tl.store(dtrap + o_s + o_tc, b_dtrap, mask=m_t)
-
-    @triton.jit
-    def siso_bwd_head_sum_kernel(dq, dk, sq, sk, R, HPG, N, BR: tl.constexpr, BN: tl.constexpr):
-        """Rows i_r·BR.. of (R, HPG, N) per-head partials (dq for program_id(1) = 0, else dk)
-        summed over HPG heads, in order, in fp32, into (R, N) of the output's dtype."""
-        i_r, which = tl.program_id(0), tl.program_id(1)
-        o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
-        o_n = tl.arange(0, BN)
-        m = (o_r < R)[:, None] & (o_n < N)[None, :]
-        if which == 0:
-            src, dst = dq, sq
-        else:
-            src, dst = dk, sk
-        p = src + o_r[:, None] * (HPG * N) + o_n[None, :]
-        acc = tl.zeros([BR, BN], dtype=tl.float32)
-        for j in range(HPG):
-            acc += tl.load(p + j * N, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst + o_r[:, None] * N + o_n[None, :], acc.to(dst.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def siso_bwd_param_sum_kernel(dqb, dkb, dd, sqb, skb, sd, R, C, H, BR: tl.constexpr,
-                                  BC: tl.constexpr):  # fmt: skip
-        """Columns i_c·BC.. of the chunk kernel's per-(batch, chunk) partials summed over their
-        R rows, in row blocks in order, in fp32: the q and k bias gradients, (R, C = h·n), for
-        program_id(1) = 0 and 1, and the d gradient, (R, H), for 2."""
-        i_c, which = tl.program_id(0), tl.program_id(1)
-        if which == 0:
-            src, dst, cols = dqb, sqb, C
-        elif which == 1:
-            src, dst, cols = dkb, skb, C
-        else:
-            src, dst, cols = dd, sd, H
-        o_c = i_c * BC + tl.arange(0, BC)
-        m_c = o_c < cols
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for r0 in range(0, R, BR):
-            o_r = (r0 + tl.arange(0, BR)).to(tl.int64)
-            m = (o_r < R)[:, None] & m_c[None, :]
-            acc += tl.sum(tl.load(src + o_r[:, None] * cols + o_c[None, :], mask=m, other=0.0), 0)
-        tl.store(dst + o_c, acc, mask=m_c)
-
-
-# Fixed launches of the two streaming kernels (no table entry).
-HEAD_SUM = LaunchConfig(num_warps=4, num_stages=1)
-HEAD_SUM_ROWS = 32
-PARAM_SUM = LaunchConfig(num_warps=4, num_stages=2)
-PARAM_SUM_COLS = 16  # 64 bytes of a row: many programs, each a few long row blocks
-
-
-def head_sums(dq, dk, g: int):
-    """(b, t, h, n) per-head partials of grouped q, k (h = g·hpg) → (b, t, g, n) sums in the
-    partials' dtype."""
-    b, t, h, n = dq.shape
-    rows = b * t * g
-    sq = torch.empty(b, t, g, n, dtype=dq.dtype, device=dq.device)
-    sk = torch.empty_like(sq)
-    grid = (triton.cdiv(rows, HEAD_SUM_ROWS), 2)
-    args = (dq, dk, sq, sk, rows, h // g, n)
-    flags = dict(BR=HEAD_SUM_ROWS, BN=max(16, triton.next_power_of_2(n)))
-    launch("bwd_head_sum", siso_bwd_head_sum_kernel, grid, args, flags, HEAD_SUM)
-    return sq, sk
-
-
-def param_sums(dqb, dkb, dd):
-    """(b, nc, h, n) bias and (b, nc, h) d partials → (h, n), (h, n), (h,) fp32 sums (dd None:
-    no d, its sum None)."""
-    b, nc, h, n = dqb.shape
-    rows, cols = b * nc, h * n
-    sqb, skb = torch.empty(h, n, **_f32(dqb)), torch.empty(h, n, **_f32(dqb))
-    sd = torch.empty(h, **_f32(dqb)) if dd is not None else None
-    grid = (triton.cdiv(cols, PARAM_SUM_COLS), 3 if dd is not None else 2)
-    args = (dqb, dkb, dd if dd is not None else dqb, sqb, skb, sd if sd is not None else sqb,
-            rows, cols, h)  # fmt: skip
-    flags = dict(BR=max(16, min(256, triton.next_power_of_2(rows))), BC=PARAM_SUM_COLS)
-    launch("bwd_param_sum", siso_bwd_param_sum_kernel, grid, args, flags, PARAM_SUM)
-    return sqb, skb, sd
-
-
-def _f32(like) -> dict:
-    return dict(dtype=torch.float32, device=like.device)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
@@ -555,9 +500,10 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
         t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides, *a_strides,
     )  # fmt: skip
-    flags = dict(BT=BT, BP=BP, BN2=BN2, HPP=hpp, HAS_D=d is not None, HAS_Z=z is not None,
-                 HAS_RESET=seg is not None)  # fmt: skip
-    grid = (nc, b * h // hpp)
+    cpp = cfgs["bwd_chunk"].cpp
+    flags = dict(BT=BT, BP=BP, BN2=BN2, HPP=hpp, CPP=cpp, HAS_D=d is not None,
+                 HAS_Z=z is not None, HAS_RESET=seg is not None)  # fmt: skip
+    grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out
     if hpg > hpp:

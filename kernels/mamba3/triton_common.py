@@ -96,13 +96,16 @@ class LaunchConfig:
     forward and the backward's state kernel (the other kernels take no block size: 0) and, for
     the backward's chunk kernel, the heads ``hpp`` one program takes in turn (grouped q, k: it
     sums their dq, dk, so fewer partials are written and summed; a call uses the largest
-    divisor of a group's heads not above it, so 1 where q, k are per head)."""
+    divisor of a group's heads not above it, so 1 where q, k are per head) and the chunks
+    ``cpp`` it takes in turn (with num_stages > 1, a chunk's loads overlap the work on the
+    one before)."""
 
     num_warps: int
     num_stages: int
     maxnreg: int | None = None
     bv: int = 0
     hpp: int = 1
+    cpp: int = 1
 
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -113,8 +116,9 @@ class LaunchConfig:
     def as_dict(self) -> dict:
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
-        if self.hpp != 1:  # a table entry names it only where it is not the default
-            out["hpp"] = self.hpp
+        for key in ("hpp", "cpp"):  # a table entry names these only where not the default
+            if getattr(self, key) != 1:
+                out[key] = getattr(self, key)
         return out
 
 

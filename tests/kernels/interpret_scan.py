@@ -45,15 +45,17 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``dstate_bv`` / ``chunk_hpp``: a launch plan other than the defaults
-# (kernels at another chunk than the caller's; the backward's state kernel in blocks of p rows;
-# its chunk kernel taking that many heads of a group in turn).
+# ``kernel_chunk`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp``: a launch plan other than
+# the defaults (kernels at another chunk than the caller's; the backward's state kernel in
+# blocks of p rows; its chunk kernel taking that many heads of a group, or chunks, in turn).
 CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
          chunk_hpp=2),
     dict(b=1, t=90, h=4, p=16, n=16, s=4, g=1, chunk=32, state=True, d=False, z=True,
-         chunk_hpp=4),
+         chunk_hpp=4, chunk_cpp=2),
+    dict(b=2, t=100, h=2, p=32, n=16, s=4, g=2, chunk=16, state=True, d=True, z=True,
+         chunk_cpp=3),
     dict(b=1, t=40, h=4, p=16, n=16, s=4, g=4, chunk=16, state=False, d=True, z=False,
          chunk_hpp=4),
     dict(b=1, t=90, h=5, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
@@ -147,10 +149,11 @@ def main() -> None:
             base = tc.DEFAULT_CONFIGS["bwd_dstate"]
             plan.configs["bwd_dstate"] = tc.LaunchConfig(base.num_warps, base.num_stages,
                                                          bv=c.pop("dstate_bv"))  # fmt: skip
-        if "chunk_hpp" in c:
+        if "chunk_hpp" in c or "chunk_cpp" in c:
             base = tc.DEFAULT_CONFIGS["bwd_chunk"]
             plan.configs["bwd_chunk"] = tc.LaunchConfig(base.num_warps, base.num_stages,
-                                                        hpp=c.pop("chunk_hpp"))  # fmt: skip
+                                                        hpp=c.pop("chunk_hpp", 1),
+                                                        cpp=c.pop("chunk_cpp", 1))  # fmt: skip
         starts = c.pop("reset", None)
         triton_siso.plan_for = lambda *args, plan=plan: plan
         x = inputs(**c, gen=gen)
