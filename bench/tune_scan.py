@@ -105,7 +105,7 @@ def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
                 log(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
                 continue
             times.append((ms, cfg))
-            with_follower = f" (with {FOLLOWERS[name]})" if name in FOLLOWERS else ""
+            with_follower = f" (with {FOLLOWERS[name]})" if follower is not None else ""
             log(f"  {name:9} {cfg.as_dict()}: {ms * 1e3:8.1f} us{with_follower}")
         ms, cfg = min(times, key=lambda mc: mc[0])
         log(f"{name}: best {cfg.as_dict()} {ms * 1e3:.1f} us")
