@@ -1,14 +1,16 @@
 """Choose the Triton scan's launch configurations on this GPU and write them as the launch table.
 
     python bench/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
-                              [--chunk 64 ...] [--dtype bf16] [--out kernels/mamba3/launch_table.py]
+                              [--chunk 64 ...] [--only bwd_chunk ...] [--dtype bf16]
+                              [--out kernels/mamba3/launch_table.py]
 
 One forward+backward runs with every launch recorded (and executed); then each kernel is timed
 alone, on the recorded arguments, under each candidate configuration (num_warps, num_stages,
-ptxas maxnreg, the forward's p block), and the fastest is kept. The result is merged into the
-table file under this GPU's architecture (``sm90`` …) and the tile-shape key, so a worker reads
-it at launch and never autotunes. The table is checked in; tests/kernels compiles every entry
-for sm_80 without a GPU.
+ptxas maxnreg, the forward's p block, the chunk kernel's heads and chunks a program), and the
+fastest is kept; ``--only`` tunes some kernels and keeps the table's plan for the rest. The
+result is merged into the table file under this GPU's architecture (``sm90`` …) and the
+tile-shape key, so a worker reads it at launch and never autotunes. The table is checked in;
+tests/kernels compiles every entry for sm_80 without a GPU.
 """
 
 from __future__ import annotations
@@ -72,25 +74,28 @@ def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
     return launches
 
 
-def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
-    """Time each kernel alone under each candidate at this chunk; returns the sum of the best
-    times (ms) and {kernel: best config as a dict}. A candidate that changes a launch's grid
-    or buffers (a ``bv``, ``hpp`` or ``cpp`` other than the default's) is recorded afresh from a
-    forward+backward under it; a kernel's follower (FOLLOWERS) is timed with it."""
+def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
+         log=print) -> tuple[float, dict[str, dict]]:  # fmt: skip
+    """Time each kernel of ``names`` alone under each candidate at this chunk, the others under
+    ``start`` (the defaults when None); returns the sum of the best times (ms) and {kernel: best
+    config as a dict}. A candidate that changes a launch's grid or buffers (a ``bv``, ``hpp`` or
+    ``cpp`` other than the starting one's) is recorded afresh from a forward+backward under it;
+    a kernel's follower (FOLLOWERS) is timed with it."""
     import triton.testing
 
-    base = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS)))
+    start = dict(start or tc.DEFAULT_CONFIGS)
+    base = record(x, tc.Plan(chunk, start))
     best, total = {}, 0.0
-    for name in tc.KERNELS:
+    for name in names:
         if name not in base:
             continue
         times = []
         for cfg in CANDIDATES[name]:
             try:
-                default = tc.DEFAULT_CONFIGS[name]
+                default = start[name]
                 launches = base
                 if (cfg.bv, cfg.hpp, cfg.cpp) != (default.bv, default.hpp, default.cpp):
-                    launches = record(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS, **{name: cfg})))
+                    launches = record(x, tc.Plan(chunk, dict(start, **{name: cfg})))
                 kern, grid, args, ce, _ = launches[name]
                 follower = launches.get(FOLLOWERS.get(name, ""))
 
@@ -112,6 +117,16 @@ def tune(x: dict, chunk: int, log=print) -> tuple[float, dict[str, dict]]:
         best[name] = cfg.as_dict()
         total += ms
     return total, best
+
+
+def _table_configs(arch: str, key: str) -> dict[str, tc.LaunchConfig]:
+    """The checked-in table's configurations for this GPU and shape key, the defaults for any
+    kernel it does not name."""
+    from kernels.mamba3.launch_table import TABLE
+
+    entry = TABLE.get(arch, {}).get(key, {})
+    return {name: tc.LaunchConfig(**entry[name]) if name in entry else tc.DEFAULT_CONFIGS[name]
+            for name in tc.KERNELS}  # fmt: skip
 
 
 def read_table(src: str) -> tuple[str, dict]:
@@ -161,6 +176,9 @@ def main() -> None:
                           ("g", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32, 16], help="chunks to try")
+    ap.add_argument("--only", nargs="+", choices=tc.KERNELS, default=list(tc.KERNELS),
+                    help="tune these kernels; the others keep this GPU's table entry at each "
+                    "chunk (the defaults where it has none)")  # fmt: skip
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
     a = ap.parse_args()
@@ -174,13 +192,15 @@ def main() -> None:
     arch = tc.arch_key(x["v"].device)
     print(f"tuning on {torch.cuda.get_device_name()} ({arch}), b{a.b} t{a.t} h{a.h} p{a.p} "
           f"n{a.n} s{a.s} g{a.g} {a.dtype}")  # fmt: skip
-    results = {}
+    results, starts = {}, {}
     for chunk in a.chunk:
         print(f"\nchunk {chunk}")
-        results[chunk] = tune(x, chunk)
-        print(f"chunk {chunk}: {results[chunk][0]:.3f} ms of kernels")
+        starts[chunk] = _table_configs(arch, tc.shape_key(tc.Tiles.of(a.p, a.n, chunk), dtype))
+        results[chunk] = tune(x, chunk, a.only, starts[chunk])
+        print(f"chunk {chunk}: {results[chunk][0]:.3f} ms of the kernels tuned")
     chunk = min(results, key=lambda c: results[c][0])
-    entry = {"chunk": chunk, **results[chunk][1]}
+    kept = {name: cfg.as_dict() for name, cfg in starts[chunk].items()}
+    entry = {"chunk": chunk, **kept, **results[chunk][1]}
     # The kernels' chunk does not change the result beyond rounding: every caller chunk size
     # of this shape runs at the fastest one.
     for caller in tc.CHUNK_SIZES:
