@@ -476,12 +476,12 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
                  HAS_RESET=seg is not None)  # fmt: skip
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
-    # 2. Every chunk's gradients, one (chunk, batch, head) per program.
-    # Per-head dq, dk in the dot dtype: the autograd Function returns them in it, and for
-    # grouped q, k the per-head partials are summed in fp32 from values rounded once each
-    # (half the bytes of fp32 partials, written here and read by the sum).
-    # hpp heads a program (the largest divisor of a group's heads up to the plan's): dq, dk of
-    # each block of hpp heads, summed.
+    # 2. Every chunk's gradients: a program takes a (chunk, batch, head), or under the plan's
+    # cpp and hpp a run of cpp chunks of a block of hpp heads (the largest divisor of a group's
+    # heads up to the plan's hpp). dq, dk per head, or per block of heads (their fp32 sum), in
+    # the dot dtype: the autograd Function returns them in it, and for grouped q, k what is left
+    # of a group's sum is summed in fp32 from values rounded once each (half the bytes of fp32
+    # partials, written here and read by the sum).
     want = min(cfgs["bwd_chunk"].hpp, hpg)
     hpp = max(j for j in range(1, want + 1) if hpg % j == 0)
     dq = torch.empty(b, t, h // hpp, n, dtype=v.dtype, device=dev)
