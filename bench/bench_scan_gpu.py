@@ -4,6 +4,7 @@ forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--chunk 64] [--no-ref] [--kernels] [--doc-len N]
+                                   [--variant NAME:KERNEL.FIELD=VALUE,... ...]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
 PYTHONPATH (``PYTHONPATH=path/to/dir-holding-mamba_ssm``) and it is timed beside ours; only its
@@ -13,12 +14,17 @@ autotuner runs on the first call of each kernel, before the timing.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first). Bandwidth counts
 the bytes of the inputs and outputs once: forward = inputs + y; forward+backward = that + dy +
 one gradient per input. ``--kernels`` splits one forward+backward into GPU kernels
-(torch.profiler, mean of 20 calls) for ours and the official kernel.
+(torch.profiler, mean of 20 calls) for ours and the official kernel. ``--variant`` also times
+ours under the launch plan with some fields changed (``ours[NAME]``), e.g.
+``c8:bwd_chunk.num_warps=8,bwd_chunk.num_stages=2,bwd_chunk.maxnreg=none,bwd_chunk.cpp=2``,
+so that a candidate is timed beside the official kernel before it goes into the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.util
 import sys
 import types
@@ -27,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.mamba3 import mamba3_siso
+from kernels.mamba3 import mamba3_siso, triton_siso
+from kernels.mamba3 import triton_common as tc
 
 
 def make_inputs(b, t, h, p, n, s, g, seed=0):
@@ -85,6 +92,48 @@ def ours_fn(backend, reset=None):
         return mamba3_siso(**x, chunk_size=chunk_size, backend=backend, **extra)
 
     return fn
+
+
+@contextlib.contextmanager
+def edited_plan(edits: dict | None):
+    """Within: our kernels launch under their plan with ``edits`` ({kernel: {field: value}})
+    applied, forward and backward alike (None: unchanged)."""
+    if not edits:
+        yield
+        return
+    plan_for = triton_siso.plan_for
+
+    def edited(*args):
+        plan = plan_for(*args)
+        configs = dict(plan.configs)
+        for kernel, fields in edits.items():
+            configs[kernel] = dataclasses.replace(configs[kernel], **fields)
+        return tc.Plan(plan.chunk, configs)
+
+    triton_siso.plan_for = edited
+    try:
+        yield
+    finally:
+        triton_siso.plan_for = plan_for
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``NAME:KERNEL.FIELD=VALUE,...`` → (NAME, {kernel: {field: value}}); ``none`` is None."""
+    name, _, body = spec.partition(":")
+    fields = {f.name for f in dataclasses.fields(tc.LaunchConfig)}
+    edits: dict[str, dict] = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        kernel, _, field = key.partition(".")
+        if kernel not in tc.KERNELS or field not in fields or not value:
+            raise SystemExit(
+                f"--variant {spec!r}: {item!r} is not KERNEL.FIELD=VALUE with KERNEL one of "
+                f"{', '.join(tc.KERNELS)} and FIELD one of {', '.join(sorted(fields))}"
+            )
+        edits.setdefault(kernel, {})[field] = None if value == "none" else int(value)
+    if not name or not edits:
+        raise SystemExit(f"--variant {spec!r}: give NAME:KERNEL.FIELD=VALUE,...")
+    return name, edits
 
 
 def nbytes(tensors) -> int:
@@ -167,7 +216,15 @@ def main() -> None:
         default=None,
         help="GPU time of each kernel of fwd+bwd (of these impls; none named: both)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KERNEL.FIELD=VALUE,...",
+        help="also time ours under the launch plan with these fields changed (repeatable)",
+    )
     a = ap.parse_args()
+    variants = [parse_variant(spec) for spec in a.variant]
 
     import triton
 
@@ -179,6 +236,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, triton {triton.__version__}")
 
     impls = {"ours": ours_fn("triton")}
+    edits = {f"ours[{name}]": fields for name, fields in variants}
+    for name in edits:
+        impls[name] = ours_fn("triton")
     if a.doc_len:
         reset = torch.zeros(a.b, a.t, dtype=torch.bool, device="cuda")
         reset[:, a.doc_len // 2 :: a.doc_len] = True  # starts off the chunk grid too
@@ -192,10 +252,11 @@ def main() -> None:
         impls["pytorch"] = ours_fn("pytorch")
 
     if a.kernels is not None:
-        for name in a.kernels or ("ours", "official"):
+        for name in a.kernels or ("ours", *(f"ours[{n}]" for n, _ in variants), "official"):
             if name not in impls:
                 continue
-            rows = kernel_times(impls[name], x, a.chunk)
+            with edited_plan(edits.get(name)):
+                rows = kernel_times(impls[name], x, a.chunk)
             total = sum(ms for _, ms in rows)
             print(f"\nfwd+bwd {name} by kernel (GPU time, {total:.3f} ms in all)")
             for kname, ms in rows:
@@ -205,7 +266,8 @@ def main() -> None:
     # official kernel's autotune of its no-grad forward still has the line that matters.
     fb = {}
     for name, fn in impls.items():
-        fb[name] = time_fwd_bwd(fn, x, a.chunk)
+        with edited_plan(edits.get(name)):
+            fb[name] = time_fwd_bwd(fn, x, a.chunk)
         print(f"{name}: fwd+bwd {fb[name]:.3f} ms", flush=True)
     base = fb.get("official")
     if base:
@@ -213,7 +275,8 @@ def main() -> None:
             print(f"{name}: fwd+bwd / official = {ms / base:.2f}", flush=True)
     fw = {}
     for name, fn in impls.items():
-        fw[name] = time_fwd(fn, x, a.chunk)
+        with edited_plan(edits.get(name)):
+            fw[name] = time_fwd(fn, x, a.chunk)
         print(f"{name}: fwd {fw[name]:.3f} ms", flush=True)
     head = (f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
             f" {'fwd/off':>8} {'f+b/off':>8}")  # fmt: skip
