@@ -124,9 +124,7 @@ def _table_configs(arch: str, key: str) -> dict[str, tc.LaunchConfig]:
     kernel it does not name."""
     from kernels.mamba3.launch_table import TABLE
 
-    entry = TABLE.get(arch, {}).get(key, {})
-    return {name: tc.LaunchConfig(**entry[name]) if name in entry else tc.DEFAULT_CONFIGS[name]
-            for name in tc.KERNELS}  # fmt: skip
+    return tc.entry_configs(TABLE.get(arch, {}).get(key, {}))
 
 
 def read_table(src: str) -> tuple[str, dict]:

@@ -184,9 +184,13 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
                 key,
             )
         return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
-    configs = {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
-               for name in KERNELS}  # fmt: skip
-    return Plan(int(entry.get("chunk", chunk_size)), configs)
+    return Plan(int(entry.get("chunk", chunk_size)), entry_configs(entry))
+
+
+def entry_configs(entry: dict) -> dict[str, LaunchConfig]:
+    """A launch-table entry's configuration of every kernel, the default where it names none."""
+    return {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
+            for name in KERNELS}  # fmt: skip
 
 
 # --- jit helpers shared by the forward and the backward --------------------------------------

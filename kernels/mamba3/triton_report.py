@@ -187,8 +187,7 @@ def table_plans() -> list[tuple[str, dict, tc.Plan]]:
     for arch, keys in sorted(TABLE.items()):
         for key, entry in sorted(keys.items()):
             _, p, n, dtype = key.split("-")
-            configs = {name: tc.LaunchConfig(**entry[name]) if name in entry else
-                       tc.DEFAULT_CONFIGS[name] for name in tc.KERNELS}  # fmt: skip
+            configs = tc.entry_configs(entry)
             plan = tc.Plan(int(entry.get("chunk", 64)), configs)
             shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
             ident = (plan.chunk, tuple(sorted(configs.items())), p, n, dtype)

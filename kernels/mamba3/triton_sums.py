@@ -86,15 +86,12 @@ def param_sums(dqb, dkb, dd):
     no d, its sum None)."""
     b, nc, h, n = dqb.shape
     rows, cols = b * nc, h * n
-    sqb, skb = torch.empty(h, n, **_f32(dqb)), torch.empty(h, n, **_f32(dqb))
-    sd = torch.empty(h, **_f32(dqb)) if dd is not None else None
+    f32 = dict(dtype=torch.float32, device=dqb.device)
+    sqb, skb = torch.empty(h, n, **f32), torch.empty(h, n, **f32)
+    sd = torch.empty(h, **f32) if dd is not None else None
     grid = (triton.cdiv(cols, PARAM_SUM_COLS), 3 if dd is not None else 2)
     args = (dqb, dkb, dd if dd is not None else dqb, sqb, skb, sd if sd is not None else sqb,
             rows, cols, h)  # fmt: skip
     flags = dict(BR=max(16, min(256, triton.next_power_of_2(rows))), BC=PARAM_SUM_COLS)
     launch("bwd_param_sum", siso_bwd_param_sum_kernel, grid, args, flags, PARAM_SUM)
     return sqb, skb, sd
-
-
-def _f32(like) -> dict:
-    return dict(dtype=torch.float32, device=like.device)
