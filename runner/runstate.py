@@ -181,6 +181,20 @@ def effective_phase(state: RunState | None, run_dir: Path | None = None) -> str 
     return phase
 
 
+def settled_phase(run_dir: Path) -> tuple[RunState | None, str | None]:
+    """state.json and its effective phase, for a reader that acts on DEAD. A supervisor writes
+    its final phase and only then releases its lock and exits, so a state.json read just before
+    that write, checked against a lock released just after it, would call a cleanly ended run
+    DEAD: DEAD stands only when a second read, made after the supervisor was seen gone, still
+    names an active phase."""
+    state = read_state(run_dir)
+    phase = effective_phase(state, run_dir)
+    if phase == SupervisorPhase.DEAD:
+        state = read_state(run_dir)
+        phase = effective_phase(state, run_dir)
+    return state, phase
+
+
 # --------------------------------------------------------------------------- files
 
 

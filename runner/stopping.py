@@ -29,7 +29,11 @@ from runner.protocol import (
     StopRequest,
     SupervisorPhase,
 )
-from runner.runstate import effective_phase, orphan_worker, read_state, supervisor_alive
+from runner.runstate import (
+    orphan_worker,
+    settled_phase,
+    supervisor_alive,
+)
 
 # On top of the grace the worker gets to save: the supervisor's poll, the final checkpoint
 # verification and its state write.
@@ -52,8 +56,7 @@ def stop_run(
     the grace (+ margin) is SIGKILLed, supervisor and worker (found by their locks). Returns 0
     once the run is stopped, 1 if it was not running or did not stop."""
     run_dir = Path(run_dir)
-    state = read_state(run_dir)
-    phase = effective_phase(state, run_dir)
+    state, phase = settled_phase(run_dir)
     if phase is None:
         say(f"{run_dir} is not running: no supervisor has run there (no {STATE_FILE})")
         return 1
@@ -94,8 +97,8 @@ def stop_run(
     flush = state.mirror_flush_s or 0.0
     deadline = time.monotonic() + grace + flush + margin_s
     while time.monotonic() < deadline:
-        state = read_state(run_dir) or RunState()
-        phase = effective_phase(state, run_dir)
+        found, phase = settled_phase(run_dir)
+        state = found or RunState()
         if phase in TERMINAL_PHASES:
             say(f"{run_dir}: {phase} ({state.reason or 'no reason'})")
             return 0
@@ -106,10 +109,14 @@ def stop_run(
             )
             return 1
         time.sleep(poll_s)
-    state = read_state(run_dir) or RunState()
+    found, phase = settled_phase(run_dir)
+    state = found or RunState()
+    if phase in TERMINAL_PHASES:  # ended between the last poll and the deadline
+        say(f"{run_dir}: {phase} ({state.reason or 'no reason'})")
+        return 0
     if not force:
         say(
-            f"{run_dir} is still {effective_phase(state, run_dir)} after "
+            f"{run_dir} is still {phase} after "
             f"{grace + flush + margin_s:g}s; wait longer, or rerun with --force to kill the "
             "supervisor and the worker (progress since checkpoint "
             f"{state.last_checkpoint_step} is lost)"

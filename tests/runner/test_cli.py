@@ -339,6 +339,50 @@ def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
         worker.kill()
 
 
+def test_stop_never_takes_a_supervisor_that_just_ended_for_a_dead_one(tmp_path):
+    # A supervisor writes its final phase, then releases its lock and exits. A stop that read
+    # state.json just before that write and checked the lock just after the exit used to report
+    # "exited without recording a final phase" (exit 1) for a clean stop. Polling without pause,
+    # many rounds put reads in that window.
+    prompt = (
+        "import json, os, signal, sys, time\n"
+        "from runner.files import PidLock, atomic_write_json\n"
+        "lock = PidLock(sys.argv[1])\n"
+        "assert lock.acquire() is None\n"
+        "def stop(*_):\n"
+        "    path = sys.argv[2]\n"
+        "    state = json.load(open(path))\n"
+        "    atomic_write_json(path, {**state, 'phase': 'stopped', 'reason': 'received SIGTERM'})\n"
+        "    lock.release()\n"
+        "    os._exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    for round_ in range(12):
+        run_dir = tmp_path / f"r{round_}"
+        run_dir.mkdir()
+        sup = subprocess.Popen(
+            [sys.executable, "-c", prompt, str(run_dir / LOCK_FILE), str(run_dir / STATE_FILE)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            assert sup.stdout.readline().strip() == "locked"
+            write_run(
+                run_dir,
+                supervisor_pid=sup.pid,
+                supervisor_create_time=psutil.Process(sup.pid).create_time(),
+            )
+            said: list[str] = []
+            code = stopping.stop_run(run_dir, grace_s=5.0, say=said.append, poll_s=0.0)
+            assert code == 0 and "stopped (received SIGTERM)" in said[-1], (round_, said)
+            assert sup.wait(timeout=10) == 0
+        finally:
+            sup.kill()
+
+
 def test_stop_refuses_a_reused_pid(tmp_path):
     # Our pid with the wrong create time: a different process now owns the pid.
     run_dir = write_run(tmp_path / "r", supervisor_create_time=time.time() - 10**6)
