@@ -1,130 +1,34 @@
-"""The `m3run` commands launch, status, stop, logs, health and plot, on run directories written
-by the tests or supervised live over a stand-in worker (see test_supervisor.py)."""
+"""The `m3run` commands launch, status, logs, health and plot, on run directories written by the
+tests or supervised live over a stand-in worker (see test_supervisor.py); `stop` has
+test_cli_stop.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers.supervision import FAST, make_run, spawn_driver, wait_for
-from typer.testing import CliRunner
+from helpers.run_dirs import invoke, write_run
+from helpers.runs import DEMO_CONFIG as DEMO
+from helpers.runs import REPO
+from helpers.supervision import FAST
 
-from runner import runstate, stopping
-from runner.cli import app
-from runner.files import read_json, read_jsonl
+from runner import runstate
+from runner.files import read_json
 from runner.protocol import (
-    EVENTS_FILE,
     EXIT_CONFIG,
     HEARTBEAT_FILE,
-    LOCK_FILE,
-    METRICS_FILE,
     STATE_FILE,
     SUPERVISOR_LOG,
-    WORKER_LOCK_FILE,
     WORKER_LOG,
     SupervisorPhase,
 )
 from runner.supervisor.launch import RunLock
-
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "configs" / "demo_cpu.yaml"
-runner_ = CliRunner()
-
-
-def invoke(*args: str):
-    return runner_.invoke(app, [str(a) for a in args])
-
-
-def me() -> tuple[int, float]:
-    return os.getpid(), psutil.Process().create_time()
-
-
-def write_run(
-    run_dir: Path, phase: str = "running", *, alive: bool = True, hb_age: float = 1.0, **state
-) -> Path:
-    """A run dir as a supervisor would leave it; `alive` = this test process plays the
-    supervisor (its pid and create time are recorded), else a pid that no longer exists."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if alive:
-        pid, ctime = me()
-    else:
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        pid, ctime = dead.pid, time.time() - 5
-    now = time.time()
-    record = {
-        "phase": phase,
-        "supervisor_pid": pid,
-        "supervisor_create_time": ctime,
-        "worker_pid": None,
-        "worker_create_time": None,
-        "worker_started_at": now - 60,
-        "restarts": [
-            {
-                "time": now - 30,
-                "reason": "worker crashed (exit 1)",
-                "exit_code": 1,
-                "resume_step": 10,
-            }
-        ],
-        "last_checkpoint_step": 20,
-        "heartbeat_timeout_s": 10.0,
-        "stop_grace_s": 5.0,
-        "reason": None,
-        "config_hash": "abc",
-        "started_at": now - 100,
-        "updated_at": now,
-        "peak_vram_bytes": 3 * 2**30,
-        **state,
-    }
-    (run_dir / STATE_FILE).write_text(json.dumps(record))
-    (run_dir / HEARTBEAT_FILE).write_text(
-        json.dumps(
-            {
-                "pid": 1,
-                "phase": "training",
-                "step": 25,
-                "total_steps": 100,
-                "loss": 2.0,
-                "lr": 1e-3,
-                "grad_norm": 0.5,
-                "tokens_per_s": 1234.0,
-                "mfu": 0.41,
-                "vram_bytes": 2**30,
-                "step_time_s": 0.5,
-                "checkpoint_time_s": 1.0,
-                "last_checkpoint_step": 20,
-                "ts": now - hb_age,
-            }
-        )
-    )
-    with open(run_dir / METRICS_FILE, "w") as f:
-        for step in range(1, 26):
-            f.write(
-                json.dumps(
-                    {
-                        "kind": "train",
-                        "step": step,
-                        "loss": 5 - step / 10,
-                        "ppl": 1.0,
-                        "lr": 1e-3,
-                        "grad_norm": 1.0,
-                        "tokens_per_s": 1e3,
-                        "time": now,
-                    }
-                )
-                + "\n"
-            )
-        f.write(json.dumps({"kind": "eval", "step": 20, "eval_loss": 3.1, "time": now}) + "\n")
-    return run_dir
 
 
 def test_every_command_has_help():
@@ -239,155 +143,6 @@ def test_health_one_shot(tmp_path, monkeypatch, spec, code, verdict):
     result = invoke("health", "--json")
     assert result.exit_code == code, result.output
     assert json.loads(result.output)["verdict"] == verdict
-
-
-# --------------------------------------------------------------------------- stop
-
-
-def test_stop_on_a_run_that_is_not_running(tmp_path):
-    result = invoke("stop", write_run(tmp_path / "a", phase="finished"))
-    assert result.exit_code == 1 and "is not running: phase finished" in result.output
-    result = invoke("stop", write_run(tmp_path / "b", alive=False))
-    assert result.exit_code == 1 and "is gone" in result.output
-    (tmp_path / "c").mkdir()
-    result = invoke("stop", tmp_path / "c")
-    assert result.exit_code == 1 and "no supervisor has run there" in result.output
-
-
-def test_stop_a_live_run(tmp_path):
-    run_dir = make_run(tmp_path, [{"steps": 10**6}])
-    proc = spawn_driver(run_dir)
-    try:
-        wait_for(
-            lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 2,
-            what="the worker to train",
-        )
-        result = invoke("stop", run_dir)
-        assert result.exit_code == 0, result.output
-        assert "stopped (" in result.output
-        assert proc.wait(timeout=10) == 0
-        assert read_json(run_dir / STATE_FILE)["phase"] == SupervisorPhase.STOPPED
-        # Stopping again: not running.
-        assert invoke("stop", run_dir).exit_code == 1
-    finally:
-        proc.kill()
-
-
-def test_stop_grace_caps_the_workers_save_time(tmp_path):
-    run_dir = make_run(tmp_path, [{"steps": 10**6, "ignore_term": True}])
-    proc = spawn_driver(run_dir, stop_grace_s=60.0)
-    try:
-        wait_for(
-            lambda: (read_json(run_dir / HEARTBEAT_FILE) or {}).get("step", 0) >= 1,
-            what="the worker to train",
-        )
-        t0 = time.monotonic()
-        result = invoke("stop", run_dir, "--grace", "0.5")
-        assert result.exit_code == 0, result.output
-        assert time.monotonic() - t0 < 10
-        assert "within the 0.5s stop grace" in read_json(run_dir / STATE_FILE)["reason"]
-    finally:
-        proc.kill()
-
-
-def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
-    # A "supervisor" that ignores SIGTERM, and its "worker", each holding its lock.
-    run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    stubborn = (
-        "import signal, sys, time\n"
-        "from runner.files import PidLock\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "assert PidLock(sys.argv[1]).acquire() is None\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(60)\n"
-    )
-
-    def start(lock: str, **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", stubborn, str(run_dir / lock)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            **kw,
-        )
-        assert proc.stdout.readline().strip() == "locked"
-        return proc
-
-    sup = start(LOCK_FILE)
-    worker = start(WORKER_LOCK_FILE, start_new_session=True)
-    try:
-        run_dir = write_run(
-            run_dir,
-            supervisor_pid=sup.pid,
-            supervisor_create_time=psutil.Process(sup.pid).create_time(),
-            worker_pid=worker.pid,
-            worker_create_time=psutil.Process(worker.pid).create_time(),
-        )
-        said: list[str] = []
-        code = stopping.stop_run(run_dir, grace_s=0.2, force=False, say=said.append, margin_s=0.3)
-        assert code == 1 and "rerun with --force" in said[-1]
-        code = stopping.stop_run(run_dir, grace_s=0.2, force=True, say=said.append, margin_s=0.3)
-        assert code == 0
-        assert sup.wait(timeout=5) == -signal.SIGKILL
-        assert worker.wait(timeout=5) == -signal.SIGKILL
-        state = read_json(run_dir / STATE_FILE)
-        assert state["phase"] == SupervisorPhase.STOPPED and "--force" in state["reason"]
-        assert read_jsonl(run_dir / EVENTS_FILE)[-1]["forced"] is True
-    finally:
-        sup.kill()
-        worker.kill()
-
-
-def test_stop_never_takes_a_supervisor_that_just_ended_for_a_dead_one(tmp_path):
-    # A supervisor writes its final phase, then releases its lock and exits. A stop that read
-    # state.json just before that write and checked the lock just after the exit used to report
-    # "exited without recording a final phase" (exit 1) for a clean stop. Polling without pause,
-    # many rounds put reads in that window.
-    prompt = (
-        "import json, os, signal, sys, time\n"
-        "from runner.files import PidLock, atomic_write_json\n"
-        "lock = PidLock(sys.argv[1])\n"
-        "assert lock.acquire() is None\n"
-        "def stop(*_):\n"
-        "    path = sys.argv[2]\n"
-        "    state = json.load(open(path))\n"
-        "    atomic_write_json(path, {**state, 'phase': 'stopped', 'reason': 'received SIGTERM'})\n"
-        "    lock.release()\n"
-        "    os._exit(0)\n"
-        "signal.signal(signal.SIGTERM, stop)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    for round_ in range(12):
-        run_dir = tmp_path / f"r{round_}"
-        run_dir.mkdir()
-        sup = subprocess.Popen(
-            [sys.executable, "-c", prompt, str(run_dir / LOCK_FILE), str(run_dir / STATE_FILE)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        try:
-            assert sup.stdout.readline().strip() == "locked"
-            write_run(
-                run_dir,
-                supervisor_pid=sup.pid,
-                supervisor_create_time=psutil.Process(sup.pid).create_time(),
-            )
-            said: list[str] = []
-            code = stopping.stop_run(run_dir, grace_s=5.0, say=said.append, poll_s=0.0)
-            assert code == 0 and "stopped (received SIGTERM)" in said[-1], (round_, said)
-            assert sup.wait(timeout=10) == 0
-        finally:
-            sup.kill()
-
-
-def test_stop_refuses_a_reused_pid(tmp_path):
-    # Our pid with the wrong create time: a different process now owns the pid.
-    run_dir = write_run(tmp_path / "r", supervisor_create_time=time.time() - 10**6)
-    result = invoke("stop", run_dir)
-    assert result.exit_code == 1 and "is gone" in result.output
 
 
 # --------------------------------------------------------------------------- logs & plot
