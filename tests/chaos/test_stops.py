@@ -35,12 +35,12 @@ def m3run_stop(run_dir, *args: str) -> subprocess.Popen:
 
 def test_repeated_stops_during_a_slow_save_wait_for_the_same_checkpoint(corpus, tmp_path):
     run_dir = tmp_path / "run"
-    # Every checkpoint write pauses 3 s mid-write (data files written, meta.json not yet).
-    run = Run(run_dir, overrides(corpus), env=worker_env(**{FAULT_ENV: "slow_save=3.0"}))
+    # Every checkpoint write pauses 5 s mid-write (data files written, meta.json not yet): the
+    # second stop's process starts and reads state.json well within it on a loaded machine.
+    run = Run(run_dir, overrides(corpus), env=worker_env(**{FAULT_ENV: "slow_save=5.0"}))
     run.worker_at(2)
     first = m3run_stop(run_dir)
     run.wait_for(lambda: run.state().get("phase") == "stopping", "the stop to reach the worker")
-    time.sleep(1.0)
     second = m3run_stop(run_dir)
     run.proc.send_signal(signal.SIGTERM)  # and a container runtime's SIGTERM on top
     assert run.wait() == EXIT_OK, run.output()

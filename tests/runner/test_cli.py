@@ -175,8 +175,6 @@ def test_logs_follow_streams_until_the_run_ends(tmp_path):
         state = read_json(run_dir / STATE_FILE)
         (run_dir / STATE_FILE).write_text(json.dumps({**state, "phase": "finished"}))
 
-    import threading
-
     t = threading.Thread(target=writer)
     t.start()
     runstate.follow(
@@ -364,17 +362,29 @@ def test_status_of_a_failed_cpu_run_shows_its_error_and_no_gpu_rows(tmp_path):
 
 
 def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
+    # Into a pipe, as `m3run status --watch | tee` has it: each frame arrives as it is drawn.
+    # The run finishes once three frames were read, whatever the machine's pace.
     run_dir = write_run(tmp_path / "r")
-
-    def finish_later():
-        time.sleep(1.0)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "runner.cli", "status", str(run_dir), "--watch", "--interval",
+         "0.2", "--no-gpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        seen: list[str] = []
+        while sum(line.startswith("phase      ") for line in seen) < 3:
+            line = watch.stdout.readline()
+            assert line, "".join(seen)
+            seen.append(line)
         state = read_json(run_dir / STATE_FILE)
-        state["phase"] = "finished"
-        (run_dir / STATE_FILE).write_text(json.dumps(state))
-
-    threading.Thread(target=finish_later).start()
-    out = invoke("status", run_dir, "--watch", "--interval", "0.2", "--no-gpu").output
-    frames = out.count("phase      ")
-    assert frames >= 3, out
-    assert out.rstrip().splitlines()[1].startswith("phase      running")
+        (run_dir / STATE_FILE).write_text(json.dumps({**state, "phase": "finished"}))
+        out = "".join(seen) + watch.communicate(timeout=60)[0]
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, out
+    assert out.splitlines()[1].startswith("phase      running")
     assert "phase      finished" in out
