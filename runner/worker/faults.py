@@ -78,6 +78,10 @@ class Faults:
         """Called mid-write (data files written, meta.json not yet), on the writer's thread."""
         if self.slow_save:
             time.sleep(self.slow_save)
+        if self._once("stall_save_at_step", step):
+            print(f"[fault] checkpoint write of step {step} stalls mid-write", flush=True)
+            while True:
+                time.sleep(3600)
         if self._once("save_error_at_step", step):
             print(f"[fault] checkpoint write error at step {step}", flush=True)
             raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")

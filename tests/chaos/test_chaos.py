@@ -174,8 +174,9 @@ def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(corpus, refere
 
 def test_kill_during_checkpoint_write_never_loads_the_torn_one(corpus, reference, tmp_path):
     run_dir = tmp_path / "run"
-    # The first worker's checkpoint writes pause mid-write (data files written, meta.json not).
-    env = worker_env(**{FAULT_ENV: "slow_save=1.0", FAULT_SCOPE_ENV: "first"})
+    # The first worker's second checkpoint write stops mid-write (data files written, meta.json
+    # not) until the kill, however long the test takes to see it.
+    env = worker_env(**{FAULT_ENV: f"stall_save_at_step={2 * INTERVAL}", FAULT_SCOPE_ENV: "first"})
     run = Run(run_dir, overrides(corpus), env=env)
     ckpts = run_dir / "checkpoints"
     pid = run.worker_at(1)
@@ -189,7 +190,7 @@ def test_kill_during_checkpoint_write_never_loads_the_torn_one(corpus, reference
                     return p.name
         return None
 
-    torn = run.wait_for(later_write, "a checkpoint being written", poll_s=0.0005)
+    torn = run.wait_for(later_write, "a checkpoint being written")
     os.kill(pid, signal.SIGKILL)
     torn_step = int(re.match(r"\.tmp-step_(\d+)-", torn).group(1))
     complete = [c.step for c in list_checkpoints(run_dir) if c.complete]
