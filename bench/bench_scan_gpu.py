@@ -23,8 +23,6 @@ so that a candidate is timed beside the official kernel before it goes into the 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import importlib.util
 import sys
 import types
@@ -32,9 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from plan_edits import edited_plan, plan_edit
 
-from kernels.mamba3 import mamba3_siso, triton_siso
-from kernels.mamba3 import triton_common as tc
+from kernels.mamba3 import mamba3_siso
 
 
 def make_inputs(b, t, h, p, n, s, g, seed=0):
@@ -94,43 +92,12 @@ def ours_fn(backend, reset=None):
     return fn
 
 
-@contextlib.contextmanager
-def edited_plan(edits: dict | None):
-    """Within: our kernels launch under their plan with ``edits`` ({kernel: {field: value}})
-    applied, forward and backward alike (None: unchanged)."""
-    if not edits:
-        yield
-        return
-    plan_for = triton_siso.plan_for
-
-    def edited(*args):
-        plan = plan_for(*args)
-        configs = dict(plan.configs)
-        for kernel, fields in edits.items():
-            configs[kernel] = dataclasses.replace(configs[kernel], **fields)
-        return tc.Plan(plan.chunk, configs)
-
-    triton_siso.plan_for = edited
-    try:
-        yield
-    finally:
-        triton_siso.plan_for = plan_for
-
-
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``NAME:KERNEL.FIELD=VALUE,...`` → (NAME, {kernel: {field: value}}); ``none`` is None."""
     name, _, body = spec.partition(":")
-    fields = {f.name for f in dataclasses.fields(tc.LaunchConfig)}
     edits: dict[str, dict] = {}
     for item in filter(None, body.split(",")):
-        key, _, value = item.partition("=")
-        kernel, _, field = key.partition(".")
-        if kernel not in tc.KERNELS or field not in fields or not value:
-            raise SystemExit(
-                f"--variant {spec!r}: {item!r} is not KERNEL.FIELD=VALUE with KERNEL one of "
-                f"{', '.join(tc.KERNELS)} and FIELD one of {', '.join(sorted(fields))}"
-            )
-        edits.setdefault(kernel, {})[field] = None if value == "none" else int(value)
+        plan_edit(edits, item, spec, "--variant")
     if not name or not edits:
         raise SystemExit(f"--variant {spec!r}: give NAME:KERNEL.FIELD=VALUE,...")
     return name, edits

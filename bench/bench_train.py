@@ -2,6 +2,7 @@
 
     python bench/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
     PYTHONPATH=.:<dir holding mamba_ssm/> python bench/bench_train.py --micro-batch 16 --anchor
+        [--variant graphs:train.compile_mode=reduce-overhead --variant h2:bwd_chunk.hpp=2]
     python bench/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
 
 For each micro-batch size it builds the worker exactly as `m3run train` does (model, chunked
@@ -16,6 +17,11 @@ sequence length, so the data path is the real one too.
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
 module (bench/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
 autotuner runs in its first step, which can take minutes: that step is reported apart.
+
+--variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
+(``train.compile_mode=reduce-overhead``) and scan launch-plan edits (``bwd_chunk.hpp=2``, the
+fields of bench_scan_gpu.py's --variant), printed as ours[NAME] with its ratio to ours and to the
+anchor: a candidate is timed in the step, beside the official module, in one call.
 
 --dry-run runs the same code on CPU with the tiny demo recipe in fp32 without compilation, and
 the anchor on m3run's own mixer in place of the official one (whose kernels need a GPU); when
@@ -34,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from plan_edits import edited_plan, is_plan_key, plan_edit
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
@@ -97,6 +104,24 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
     if dry_run:
         overrides += ["train.device=cpu", "train.precision=fp32"]
     return load_config(recipe, [*overrides, *sets])
+
+
+def parse_variant(spec: str) -> tuple[str, list[str], dict]:
+    """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits): a KEY whose first
+    part names a scan kernel (``bwd_chunk.hpp``) edits the plan, any other is a config key."""
+    name, _, body = spec.partition(":")
+    sets: list[str] = []
+    edits: dict[str, dict] = {}
+    for item in filter(None, body.split(",")):
+        if "=" not in item:
+            raise SystemExit(f"--variant {spec!r}: {item!r} is not KEY=VALUE")
+        if is_plan_key(item.partition("=")[0]):
+            plan_edit(edits, item, spec, "--variant")
+        else:
+            sets.append(item)
+    if not name or not (sets or edits):
+        raise SystemExit(f"--variant {spec!r}: give NAME:KEY=VALUE,...")
+    return name, sets, edits
 
 
 def sync(device: torch.device) -> None:
@@ -308,6 +333,15 @@ def main() -> None:
         help="a config override for ours, e.g. train.deterministic=true (its cost); process-wide "
         "switches such as that one stay on for every later run of the process",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="after the anchor, also ours with these config overrides (on top of --set) and "
+        "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2), as ours[NAME] "
+        "(repeatable)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -315,6 +349,7 @@ def main() -> None:
         raise SystemExit(f"--steps must be ≥ 1, got {a.steps}")
     if a.warmup < 1:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
+    variants = [parse_variant(spec) for spec in a.variant]
     micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
     steps = a.steps or (2 if a.dry_run else 10)
     if not a.dry_run and not torch.cuda.is_available():
@@ -356,10 +391,16 @@ def main() -> None:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
         scope = "model" if a.compile_scope == "model" else "blocks"
 
-        def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum) -> dict:
+        def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum,
+                 variant: tuple[str, list[str], dict] | None = None) -> dict:  # fmt: skip
+            name, sets, edits = variant or ("", [], {})
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
-                           resets=resets, scope=scope, sets=tuple(a.sets))  # fmt: skip
-            res = bench_one(c, steps, a.warmup, a.profile, peak)
+                           resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
+            with edited_plan(edits):
+                res = bench_one(c, steps, a.warmup, a.profile, peak)
+            if name:
+                res["impl"] += f"[{name}]"
+                res["variant"] = {"sets": sets, "plan_edits": edits}
             keep(res)
             print(line(res), flush=True)
             if "gpu_time_breakdown" in res:
@@ -392,7 +433,17 @@ def main() -> None:
                 f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}×{mem}",
                 flush=True,
             )
-        # After the anchor: its line matters more than this one's if the time runs out.
+        # After the anchor: its line matters more than these if the time runs out.
+        for variant in variants:
+            rv = ours(a.resets != "off", scope, variant=variant)
+            against = (
+                f", / {impl} {rv['tokens_per_s'] / o['tokens_per_s']:.2f}×" if make_mixer else ""
+            )
+            print(
+                f"ours[{variant[0]}] / ours at mb {micro}: tokens/s "
+                f"{rv['tokens_per_s'] / r['tokens_per_s']:.3f}×{against}",
+                flush=True,
+            )
         if a.compile_scope == "both" and compile_:
             r_whole = ours(a.resets != "off", "model")
             first = f"{r['first_step_s']:.1f} s / {r_whole['first_step_s']:.1f} s"
