@@ -29,11 +29,7 @@ from runner.protocol import (
     StopRequest,
     SupervisorPhase,
 )
-from runner.runstate import (
-    orphan_worker,
-    settled_phase,
-    supervisor_alive,
-)
+from runner.runstate import orphan_worker, settled_phase, supervisor_alive
 
 # On top of the grace the worker gets to save: the supervisor's poll, the final checkpoint
 # verification and its state write.
