@@ -6,11 +6,11 @@
 
 One forward+backward runs with every launch recorded (and executed); then each kernel is timed
 alone, on the recorded arguments, under each candidate configuration (num_warps, num_stages,
-ptxas maxnreg, the forward's p block, the chunk kernel's heads and chunks a program), and the
-fastest is kept; ``--only`` tunes some kernels and keeps the table's plan for the rest. The
-result is merged into the table file under this GPU's architecture (``sm90`` …) and the
-tile-shape key, so a worker reads it at launch and never autotunes. The table is checked in;
-tests/kernels compiles every entry for sm_80 without a GPU.
+ptxas maxnreg, the p block of the forward and the chunk kernel, the chunk kernel's heads and
+chunks a program), and the fastest is kept; ``--only`` tunes some kernels and keeps the table's
+plan for the rest. The result is merged into the table file under this GPU's architecture
+(``sm90`` …) and the tile-shape key, so a worker reads it at launch and never autotunes. The
+table is checked in; tests/kernels compiles every entry for sm_80 without a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # (8, 2, cpp 2), 696 B at (4, 2, 168, cpp 2).
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128),
                   C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2),
-                  C(8, 2, cpp=2), C(8, 2, cpp=4), C(8, 3, cpp=4), C(4, 2, 168, cpp=2)],
+                  C(8, 2, cpp=2), C(8, 2, cpp=4), C(8, 3, cpp=4), C(4, 2, 168, cpp=2),
+                  C(4, 1, 168, bv=32), C(4, 2, 168, bv=32), C(8, 1, 128, bv=32)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 

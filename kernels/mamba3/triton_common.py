@@ -2,8 +2,9 @@
 Triton, the tile caps, the launch configurations (a checked-in table per GPU architecture, read at
 launch) and the jit helpers both directions call.
 
-Nothing here launches a kernel. ``triton_fwd`` and ``triton_bwd`` import from this module only;
-``triton_siso`` composes them into the autograd Function.
+Nothing here launches a kernel. ``triton_fwd``, ``triton_sums`` and ``triton_bwd_chunk`` import
+from this module only, ``triton_bwd`` from it and the latter two; ``triton_siso`` composes the
+forward and backward into the autograd Function.
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ KERNELS = ("fwd", "bwd_dstate", "bwd_chunk", "bwd_angle")
 class LaunchConfig:
     """How one kernel is launched: warps, software-pipelining stages, a register cap (ptxas
     .maxnreg; None leaves it to the compiler), a block size ``bv`` (0: all) of p for the
-    forward and the backward's state kernel (the other kernels take no block size: 0) and, for
-    the backward's chunk kernel, the heads ``hpp`` one program takes in turn (grouped q, k: it
+    forward and the backward's state kernel (a grid of p blocks) and its chunk kernel (the p
+    blocks in turn, in three passes; the angle kernel takes no block size: 0) and, for the
+    backward's chunk kernel, the heads ``hpp`` one program takes in turn (grouped q, k: it
     sums their dq, dk, so fewer partials are written and summed; a call uses the largest
     divisor of a group's heads not above it, so 1 where q, k are per head) and the chunks
     ``cpp`` it takes in turn (with num_stages > 1, a chunk's loads overlap the work on the

@@ -265,13 +265,16 @@ def test_backward_is_deterministic(g):
     assert not differ, f"gradients differ between two identical calls: {differ}"
 
 
-@pytest.mark.parametrize("hpp,cpp", [(2, 1), (4, 1), (1, 2), (2, 3)])
-def test_heads_and_chunks_per_program_give_the_same_gradients(hpp, cpp, monkeypatch):
-    """The chunk kernel taking hpp heads of a group and cpp chunks in turn (launch plan fields,
-    two pipeline stages; g = 1, four heads, t = 1000: a partial last chunk, and a partial last
-    block of chunks at cpp 3) gives the gradients of one head and chunk a program: dq, dk within
-    the bf16 rounding of the per-head partials, the rest within 1e-3 (the same arithmetic,
-    compiled in a loop); and two calls are bitwise equal."""
+@pytest.mark.parametrize(
+    "hpp,cpp,bv", [(2, 1, 0), (4, 1, 0), (1, 2, 0), (2, 3, 0), (1, 1, 32), (2, 2, 16)]
+)
+def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp, bv, monkeypatch):
+    """The chunk kernel taking hpp heads of a group and cpp chunks in turn, and p in blocks of
+    bv (launch plan fields, two pipeline stages; g = 1, four heads, t = 1000: a partial last
+    chunk, and a partial last block of chunks at cpp 3) gives the gradients of one head, chunk
+    and pass a program: dq, dk within the bf16 rounding of the per-head partials and of dS (summed
+    over the blocks of p before it is rounded), the rest within 1e-3 (the same arithmetic,
+    compiled in loops); and two calls are bitwise equal."""
     from kernels.mamba3 import triton_common as tc
     from kernels.mamba3 import triton_siso
 
@@ -283,7 +286,9 @@ def test_heads_and_chunks_per_program_give_the_same_gradients(hpp, cpp, monkeypa
                ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))]  # fmt: skip
     plan = triton_siso.plan_for(torch.device(DEV), 64, 64, 64, torch.bfloat16)
     base = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
-    chunk_cfg = dataclasses.replace(plan.configs["bwd_chunk"], hpp=hpp, cpp=cpp, num_stages=2)
+    chunk_cfg = dataclasses.replace(
+        plan.configs["bwd_chunk"], hpp=hpp, cpp=cpp, bv=bv, num_stages=2
+    )
     blocked = tc.Plan(plan.chunk, dict(plan.configs, bwd_chunk=chunk_cfg))
     monkeypatch.setattr(triton_siso, "plan_for", lambda *args: blocked)
     first = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
