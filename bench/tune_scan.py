@@ -40,7 +40,8 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128),
                   C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2),
                   C(8, 2, cpp=2), C(8, 2, cpp=4), C(8, 3, cpp=4), C(4, 2, 168, cpp=2),
-                  C(4, 1, 168, bv=32), C(4, 2, 168, bv=32), C(8, 1, 128, bv=32)],
+                  C(4, 1, 168, bv=32), C(4, 2, 168, bv=32), C(4, 1, 168, bv=16),
+                  C(8, 1, 128, bv=32)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
