@@ -80,6 +80,115 @@ if triton is not None:
         return b_dy, b_dy
 
     @triton.jit
+    def _decays(adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT: tl.constexpr,
+                HAS_RESET: tl.constexpr):  # fmt: skip
+        """One chunk's per-token scalars (``o_s`` offsets the (batch, head) row): Δ, λΔ, w, the
+        cumulative decay A and its last value A_L (log2), exp(A), exp(A_L − A), exp(A_L − A)·w,
+        the masks of the pairs below the diagonal (in one segment) and on it, and whether the
+        entering state survives the chunk (no reset in it). As in the forward, no decay crosses
+        a reset. (exp(A_L) is :func:`_decay_grads`': formed here, it cost the chunk kernel 120 B
+        of spills.)"""
+        o_t = tl.arange(0, BT)
+        o_tc = i_c * BT + o_t
+        m_t = o_tc < T
+        b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
+                                                      o_tc, m_t, o_t, BT)  # fmt: skip
+        b_eA = tl.exp2(b_A2)
+        b_eL = tl.exp2(b_AL2 - b_A2)
+        m_low = o_t[:, None] > o_t[None, :]
+        keep = tl.full([], 1, tl.int1)
+        if HAS_RESET:
+            m_in, m_out, keep, m_same = segments(seg + i_b * NC * BT, o_tc, i_c * BT + BT - 1)
+            b_eA = tl.where(m_in, b_eA, 0.0)
+            b_eL = tl.where(m_out, b_eL, 0.0)
+            m_low = m_low & m_same
+        return (b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_eL * b_w, m_low,
+                o_t[:, None] == o_t[None, :], keep)  # fmt: skip
+
+    @triton.jit
+    def _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc, m_t, i_c, i_b, i_h, T,
+                    NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as, DT: tl.constexpr, BT: tl.constexpr,
+                    BN2: tl.constexpr):  # fmt: skip
+        """cos Φ, sin Φ of one chunk of one head, and its q̄, k̄ (dot dtype DT)."""
+        G = H // HPG
+        o_m = tl.arange(0, BN2)
+        o_n = tl.arange(0, 2 * BN2)
+        o_qk = (i_b * T * G + i_h // HPG) * N
+        p_q = tile_ptr(q + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
+        p_k = tile_ptr(k + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
+        b_phi0 = tl.load(phi_in + ((i_b * H + i_h) * NC + i_c) * BN2 + o_m)
+        p_a = angles + i_b * s_ab + i_h * s_ah
+        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
+        b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
+        return b_cos, b_sin, b_qc, b_kc
+
+    @triton.jit
+    def _score_grads(b_S, b_dM, b_Dw, b_w, m_low, m_diag, p_dd, p_dcur, m_t, DT: tl.constexpr):
+        """From the scores S = q̄k̄ᵀ and dM = do xᵀ (fp32): dS = dM ⊙ decay ⊙ W. S ⊙ dS
+        (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the diagonal) and,
+        over w, the weight gradient; the diagonals give dcur and the ``d`` partial sum, which are
+        stored (at ``p_dcur``, ``p_dd``). Returns the decay and weight gradients and dS as a dot
+        operand."""
+        b_dox = tl.sum(tl.where(m_diag, b_dM, 0.0), axis=1)  # do_j·x_j
+        tl.store(p_dd, tl.sum(b_dox, axis=0))
+        b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
+        tl.store(p_dcur, b_qk * b_dox, mask=m_t)
+        b_dS = b_dM * b_Dw
+        b_MdM = tl.where(m_low, b_S * b_dS, 0.0)
+        b_dA = tl.sum(b_MdM, axis=1)
+        b_MdM = tl.sum(b_MdM, axis=0)
+        b_dA -= b_MdM
+        b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
+        return b_dA, b_dw, to_dot(b_dS, DT)
+
+    @triton.jit
+    def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, p_bias, T, N, row_stride, r0,
+                          BT: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr):  # fmt: skip
+        """The gradient ``b_dr`` (fp32) of the rotated tile ā = ``b_r`` rotated back: stored
+        (HPP = 1) as the tile at row r0 of ``out`` (T × N, rows ``row_stride`` apart; its
+        pointers formed here, at the store, not held before) or added to ``acc``, and its column
+        sums (the bias partial) stored at ``p_bias``. Returns ``acc`` and the per-pair angle
+        gradient."""
+        o_m = tl.arange(0, BN2)
+        b_daE, b_daO, b_dphi = _rotate_back(b_dr, b_r, b_cos, b_sin, BT, BN2)
+        b_da = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
+        if HPP == 1:
+            store_tile(tile_ptr(out, T, N, row_stride, r0, BT, 2 * BN2), b_da)
+        else:
+            acc += b_da
+        tl.store(p_bias + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
+        tl.store(p_bias + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        return acc, b_dphi
+
+    @triton.jit
+    def _angle_grads(b_dphi, p_dphi, p_dphi_c, m_a):
+        """dΦ per token, at the (BT × BN2) pointers ``p_dphi`` masked by ``m_a``, and its chunk
+        sum at ``p_dphi_c``."""
+        b_dphi = tl.where(m_a, b_dphi, 0.0)
+        tl.store(p_dphi, b_dphi, mask=m_a)
+        tl.store(p_dphi_c, tl.sum(b_dphi, axis=0))
+
+    @triton.jit
+    def _decay_grads(b_dA, b_dw, b_xu, b_GG, b_AL2, keep, b_eL, b_ew, p_dadt, p_dw, m_t,
+                     BT: tl.constexpr, HAS_RESET: tl.constexpr):  # fmt: skip
+        """The leaving state's terms of the decay gradient, ∂/∂A_L = exp(A_L)·<dG_out, G_in>
+        (``b_GG``; no decay when the chunk has a reset) + Σ_j exp(A_L − A_j) w_j x_jᵀ dG k̄_j,
+        and −∂/∂A_j; the chunk-local reverse cumsum of ∂L/∂A stored at ``p_dadt``, and ∂L/∂w at
+        ``p_dw``."""
+        b_eAL = tl.exp2(b_AL2)
+        if HAS_RESET:
+            b_eAL = tl.where(keep, b_eAL, 0.0)
+        b_dAL = b_eAL * b_GG
+        b_sw = b_ew * b_xu
+        b_dAL += tl.sum(b_sw, axis=0)
+        b_dA = b_dA - b_sw + tl.where(tl.arange(0, BT) == BT - 1, b_dAL, 0.0)
+        tl.store(p_dadt, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
+        tl.store(p_dw, b_dw + b_eL * b_xu, mask=m_t)
+
+    @triton.jit
     def _chunk_head(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
@@ -93,88 +202,48 @@ if triton is not None:
         ``do`` and the gate's slope are pinned (:func:`pin`): left to the compiler, the gate was
         recomputed from dy and z in each layout ``do`` is used in, for every warp."""
         i_bh = i_b * H + i_h
-        i_g = i_h // HPG
-        G = H // HPG
-        o_t = tl.arange(0, BT)
+        o_tc = i_c * BT + tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
-        o_n = tl.arange(0, 2 * BN2)
-        o_tc = i_c * BT + o_t
         m_t = o_tc < T
         r0 = i_c * BT
-        m_a = m_t[:, None] & (o_m < S)[None, :]
-        m_strict = o_t[:, None] > o_t[None, :]
-        m_diag = o_t[:, None] == o_t[None, :]
-        o_qk = (i_b * T * G + i_g) * N
-        p_q = tile_ptr(q + o_qk, T, N, G * N, r0, BT, 2 * BN2)
-        p_k = tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)
         o_s = i_bh * T
         o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
         o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk with HPP = 1
-        b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
-                                                      o_tc, m_t, o_t, BT)  # fmt: skip
-        b_eA = tl.exp2(b_A2)
-        b_eL = tl.exp2(b_AL2 - b_A2)
-        m_low = m_strict
-        if HAS_RESET:  # see the forward
-            p_seg = seg + i_b * NC * BT
-            m_in, m_out, keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
-            b_eA = tl.where(m_in, b_eA, 0.0)
-            b_eL = tl.where(m_out, b_eL, 0.0)
-            m_low = m_strict & m_same
-        b_ew = b_eL * b_w
-
-        b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
-        p_a = angles + i_b * s_ab + i_h * s_ah
-        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
-        p_x = tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP)
-        b_x = load_tile(p_x)
-        DT = b_x.dtype
-        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
-        b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
+        o_b = ((i_b * NC + i_c) * H + i_h) * N  # the bias partials
+        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2  # the chunk's states
+        b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
+            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
+        )
+        b_x = load_tile(tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP))
+        DT = v.dtype.element_ty
+        b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
+                                               m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
+                                               s_at, s_ah, s_as, DT, BT, BN2)  # fmt: skip
         b_do, b_gz = gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
                           HAS_Z)  # fmt: skip
         if HAS_Z:
             b_do, b_gz = pin(b_do), pin(b_gz)
         b_doc = to_dot(b_do, DT)
 
-        # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ, dS = dM ⊙ decay ⊙ W. S ⊙ dS
-        # (= M ⊙ dM) gives the decay gradient (row sums minus column sums below the
-        # diagonal) and, over w, the weight gradient; the diagonals give dcur and d.
+        # Scores S = q̄k̄ᵀ, M = S ⊙ decay ⊙ W, dM = do xᵀ (see _score_grads).
         b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
         b_S = tl.dot(b_qc, tl.trans(b_kc))
         b_Mc = to_dot(b_S * b_Dw, DT)
-        b_dS = tl.dot(b_doc, tl.trans(b_x))
-        b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
-        tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
-        b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
-        tl.store(dcur + o_s + o_tc, b_qk * b_dox, mask=m_t)
-        b_dS = b_dS * b_Dw
-        b_MdM = tl.where(m_low, b_S * b_dS, 0.0)
-        b_dA = tl.sum(b_MdM, axis=1)
-        b_MdM = tl.sum(b_MdM, axis=0)
-        b_dA -= b_MdM
-        b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
-        b_dSc = to_dot(b_dS, DT)
+        b_dA, b_dw, b_dSc = _score_grads(b_S, tl.dot(b_doc, tl.trans(b_x)), b_Dw, b_w, m_low,
+                                         m_diag, dd + (i_b * NC + i_c) * H + i_h,
+                                         dcur + o_s + o_tc, m_t, DT)  # fmt: skip
 
         # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
         # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
         # rotated back at once (da = Rᵀ dā; dΦ = ā_E dā_O − ā_O dā_E).
-        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
         b_Gc = load_dense(g_in + o_gc, 0, BP, 2 * BN2)
         b_qG = tl.dot(b_qc, tl.trans(b_Gc))
         b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
-        o_b = ((i_b * NC + i_c) * H + i_h) * N
-        b_daE, b_daO, b_dphi = _rotate_back(b_dqr, b_qc, b_cos, b_sin, BT, BN2)
-        b_dq = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        if HPP == 1:
-            store_tile(tile_ptr(dq + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dq)
-        else:
-            acc_q += b_dq
-        tl.store(dqb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-        tl.store(dqb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        acc_q, b_dphi = _rotated_back_out(
+            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
+            BN2, HPP,
+        )  # fmt: skip
         if HAS_Z:
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
@@ -191,33 +260,21 @@ if triton is not None:
             b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
         store_tile(tile_ptr(dv + o_p, T, P, H * P, r0, BT, BP), b_dx)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * tl.dot(b_x, b_dGc)
-        b_daE, b_daO, b_dphik = _rotate_back(b_dkr, b_kc, b_cos, b_sin, BT, BN2)
-        b_dk = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        if HPP == 1:
-            store_tile(tile_ptr(dk + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dk)
-        else:
-            acc_k += b_dk
-        tl.store(dkb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-        tl.store(dkb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
-        b_dphi = tl.where(m_a, b_dphi + b_dphik, 0.0)
-        p_d = dphi + (i_b * T * H + i_h) * S
-        tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
-        tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
+        acc_k, b_dphik = _rotated_back_out(
+            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
+            BN2, HPP,
+        )  # fmt: skip
 
-        # The leaving state's exp(A_L)·G_in and its Σ_j exp(A_L − A_j) w_j x_j k̄_jᵀ: ∂/∂A_L,
-        # −∂/∂A_j and ∂/∂w_j. Both states are read again here (cache hits) rather than held.
-        b_eAL = tl.exp2(b_AL2)
-        if HAS_RESET:
-            b_eAL = tl.where(keep, b_eAL, 0.0)
+        m_a = m_t[:, None] & (o_m < S)[None, :]
+        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        _angle_grads(b_dphi + b_dphik, p_d, dphi_c + (i_bh * NC + i_c) * BN2 + o_m, m_a)
+        # <dG_out, G_in> for ∂/∂A_L: both states are read again here (cache hits) rather than
+        # held.
         b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
             dg_out + o_gc, 0, BP, 2 * BN2
         ).to(tl.float32)
-        b_dAL = b_eAL * tl.sum(tl.sum(b_GG, axis=1), axis=0)
-        b_sw = b_ew * b_xu
-        b_dAL += tl.sum(b_sw, axis=0)
-        b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
-        tl.store(dadt + o_s + o_tc, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
-        tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
+        _decay_grads(b_dA, b_dw, b_xu, tl.sum(tl.sum(b_GG, axis=1), axis=0), b_AL2, keep, b_eL,
+                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
         return acc_q, acc_k
 
     @triton.jit
@@ -235,71 +292,40 @@ if triton is not None:
         The blocks of x, dy and z are loaded and gated again in each pass (cache hits), so no
         (BT × BP) tile and no (BP × N) state is held whole: fewer registers than one pass."""
         i_bh = i_b * H + i_h
-        i_g = i_h // HPG
-        G = H // HPG
-        o_t = tl.arange(0, BT)
+        o_tc = i_c * BT + tl.arange(0, BT)
         o_m = tl.arange(0, BN2)
-        o_n = tl.arange(0, 2 * BN2)
-        o_tc = i_c * BT + o_t
         m_t = o_tc < T
         r0 = i_c * BT
-        m_a = m_t[:, None] & (o_m < S)[None, :]
-        m_strict = o_t[:, None] > o_t[None, :]
-        m_diag = o_t[:, None] == o_t[None, :]
-        o_qk = (i_b * T * G + i_g) * N
-        p_q = tile_ptr(q + o_qk, T, N, G * N, r0, BT, 2 * BN2)
-        p_k = tile_ptr(k + o_qk, T, N, G * N, r0, BT, 2 * BN2)
         o_s = i_bh * T
         o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
         o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk with HPP = 1
+        o_b = ((i_b * NC + i_c) * H + i_h) * N  # the bias partials
+        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2  # the chunk's states
         p_v = v + i_b * s_vb + i_h * s_vh
         p_z = z + i_b * s_zb + i_h * s_zh
-        b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
-                                                      o_tc, m_t, o_t, BT)  # fmt: skip
-        b_eA = tl.exp2(b_A2)
-        b_eL = tl.exp2(b_AL2 - b_A2)
-        m_low = m_strict
-        if HAS_RESET:  # see the forward
-            p_seg = seg + i_b * NC * BT
-            m_in, m_out, keep, m_same = segments(p_seg, o_tc, r0 + BT - 1)
-            b_eA = tl.where(m_in, b_eA, 0.0)
-            b_eL = tl.where(m_out, b_eL, 0.0)
-            m_low = m_strict & m_same
-        b_ew = b_eL * b_w
-
-        b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
-        p_a = angles + i_b * s_ab + i_h * s_ah
-        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+        b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
+            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
+        )
         DT = v.dtype.element_ty
-        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
-        b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
+        b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
+                                               m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
+                                               s_at, s_ah, s_as, DT, BT, BN2)  # fmt: skip
 
         # Pass 1: dM = do xᵀ, over the blocks of p.
-        b_dS = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dM = tl.zeros([BT, BT], dtype=tl.float32)
         for v0 in range(0, BP, BV):
             b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV))
             b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)[0]
-            b_dS += tl.dot(to_dot(b_do, DT), tl.trans(b_x))
+            b_dM += tl.dot(to_dot(b_do, DT), tl.trans(b_x))
         b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
         b_S = tl.dot(b_qc, tl.trans(b_kc))
         b_Mc = to_dot(b_S * b_Dw, DT)
-        b_dox = tl.sum(tl.where(m_diag, b_dS, 0.0), axis=1)  # do_j·x_j
-        tl.store(dd + (i_b * NC + i_c) * H + i_h, tl.sum(b_dox, axis=0))
-        b_qk = tl.sum(tl.where(m_diag, b_S, 0.0), axis=1)  # q̄_j·k̄_j = q_j·k_j
-        tl.store(dcur + o_s + o_tc, b_qk * b_dox, mask=m_t)
-        b_dS = b_dS * b_Dw
-        b_MdM = tl.where(m_low, b_S * b_dS, 0.0)
-        b_dA = tl.sum(b_MdM, axis=1)
-        b_MdM = tl.sum(b_MdM, axis=0)
-        b_dA -= b_MdM
-        b_dw = tl.where(b_w > 0, b_MdM / tl.where(b_w > 0, b_w, 1.0), 0.0)
-        b_dSc = to_dot(b_dS, DT)
+        b_dA, b_dw, b_dSc = _score_grads(b_S, b_dM, b_Dw, b_w, m_low, m_diag,
+                                         dd + (i_b * NC + i_c) * H + i_h, dcur + o_s + o_tc,
+                                         m_t, DT)  # fmt: skip
 
         # Pass 2: the entering state G_in, block by block: the inter-chunk output (its decay
         # gradient and, with z, the pre-gate output) and dq̄'s exp(A) ⊙ do G_in.
-        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
         b_doG = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
         for v0 in range(0, BP, BV):
             b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV))
@@ -318,15 +344,10 @@ if triton is not None:
                 store_tile(tile_ptr(dz + o_p + v0, T, P - v0, H * P, r0, BT, BV), b_gz * b_o)
             b_doG += tl.dot(b_doc, b_Gc)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * b_doG
-        o_b = ((i_b * NC + i_c) * H + i_h) * N
-        b_daE, b_daO, b_dphi = _rotate_back(b_dqr, b_qc, b_cos, b_sin, BT, BN2)
-        b_dq = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        if HPP == 1:
-            store_tile(tile_ptr(dq + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dq)
-        else:
-            acc_q += b_dq
-        tl.store(dqb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-        tl.store(dqb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        acc_q, b_dphi = _rotated_back_out(
+            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
+            BN2, HPP,
+        )  # fmt: skip
 
         # Pass 3: the leaving state's gradient dG_out, block by block: dx = Mᵀ do +
         # exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do, dk̄'s exp(A_L − A) w ⊙ (x dG), and <dG_out, G_in>.
@@ -350,28 +371,15 @@ if triton is not None:
             b_GG += tl.sum(load_dense(g_in + o_gc, v0, BV, 2 * BN2).to(tl.float32)
                            * b_dGc.to(tl.float32), axis=1)  # fmt: skip
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * b_xdG
-        b_daE, b_daO, b_dphik = _rotate_back(b_dkr, b_kc, b_cos, b_sin, BT, BN2)
-        b_dk = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
-        if HPP == 1:
-            store_tile(tile_ptr(dk + o_out, T, N, H * N, r0, BT, 2 * BN2), b_dk)
-        else:
-            acc_k += b_dk
-        tl.store(dkb + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-        tl.store(dkb + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
-        b_dphi = tl.where(m_a, b_dphi + b_dphik, 0.0)
-        p_d = dphi + (i_b * T * H + i_h) * S
-        tl.store(p_d + o_tc[:, None] * (H * S) + o_m[None, :], b_dphi, mask=m_a)
-        tl.store(dphi_c + (i_bh * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
-
-        b_eAL = tl.exp2(b_AL2)
-        if HAS_RESET:
-            b_eAL = tl.where(keep, b_eAL, 0.0)
-        b_dAL = b_eAL * tl.sum(b_GG, axis=0)
-        b_sw = b_ew * b_xu
-        b_dAL += tl.sum(b_sw, axis=0)
-        b_dA = b_dA - b_sw + tl.where(o_t == BT - 1, b_dAL, 0.0)
-        tl.store(dadt + o_s + o_tc, tl.cumsum(b_dA, axis=0, reverse=True), mask=m_t)
-        tl.store(dw + o_s + o_tc, b_dw + b_eL * b_xu, mask=m_t)
+        acc_k, b_dphik = _rotated_back_out(
+            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
+            BN2, HPP,
+        )  # fmt: skip
+        m_a = m_t[:, None] & (o_m < S)[None, :]
+        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        _angle_grads(b_dphi + b_dphik, p_d, dphi_c + (i_bh * NC + i_c) * BN2 + o_m, m_a)
+        _decay_grads(b_dA, b_dw, b_xu, tl.sum(b_GG, axis=0), b_AL2, keep, b_eL,
+                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
         return acc_q, acc_k
 
     @triton.jit
