@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from plan_edits import edited_plan, plan_edit
+from plan_edits import edited_plan, parse_variant
 
 from kernels.mamba3 import mamba3_siso
 
@@ -90,17 +90,6 @@ def ours_fn(backend, reset=None):
         return mamba3_siso(**x, chunk_size=chunk_size, backend=backend, **extra)
 
     return fn
-
-
-def parse_variant(spec: str) -> tuple[str, dict]:
-    """``NAME:KERNEL.FIELD=VALUE,...`` → (NAME, {kernel: {field: value}}); ``none`` is None."""
-    name, _, body = spec.partition(":")
-    edits: dict[str, dict] = {}
-    for item in filter(None, body.split(",")):
-        plan_edit(edits, item, spec, "--variant")
-    if not name or not edits:
-        raise SystemExit(f"--variant {spec!r}: give NAME:KERNEL.FIELD=VALUE,...")
-    return name, edits
 
 
 def nbytes(tensors) -> int:
@@ -191,7 +180,7 @@ def main() -> None:
         help="also time ours under the launch plan with these fields changed (repeatable)",
     )
     a = ap.parse_args()
-    variants = [parse_variant(spec) for spec in a.variant]
+    variants = [(name, edits) for name, _, edits in map(parse_variant, a.variant)]
 
     import triton
 

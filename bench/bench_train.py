@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from plan_edits import edited_plan, is_plan_key, plan_edit
+from plan_edits import edited_plan, parse_variant
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
@@ -104,24 +104,6 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
     if dry_run:
         overrides += ["train.device=cpu", "train.precision=fp32"]
     return load_config(recipe, [*overrides, *sets])
-
-
-def parse_variant(spec: str) -> tuple[str, list[str], dict]:
-    """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits): a KEY whose first
-    part names a scan kernel (``bwd_chunk.hpp``) edits the plan, any other is a config key."""
-    name, _, body = spec.partition(":")
-    sets: list[str] = []
-    edits: dict[str, dict] = {}
-    for item in filter(None, body.split(",")):
-        if "=" not in item:
-            raise SystemExit(f"--variant {spec!r}: {item!r} is not KEY=VALUE")
-        if is_plan_key(item.partition("=")[0]):
-            plan_edit(edits, item, spec, "--variant")
-        else:
-            sets.append(item)
-    if not name or not (sets or edits):
-        raise SystemExit(f"--variant {spec!r}: give NAME:KEY=VALUE,...")
-    return name, sets, edits
 
 
 def sync(device: torch.device) -> None:
@@ -349,7 +331,7 @@ def main() -> None:
         raise SystemExit(f"--steps must be ≥ 1, got {a.steps}")
     if a.warmup < 1:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
-    variants = [parse_variant(spec) for spec in a.variant]
+    variants = [parse_variant(spec, config_keys=True) for spec in a.variant]
     micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
     steps = a.steps or (2 if a.dry_run else 10)
     if not a.dry_run and not torch.cuda.is_available():

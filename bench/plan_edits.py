@@ -58,3 +58,24 @@ def edited_plan(edits: dict | None):
         yield
     finally:
         triton_siso.plan_for = plan_for
+
+
+def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str], dict]:
+    """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits). A KEY whose first
+    part names a scan kernel (``bwd_chunk.hpp``) edits the plan; with ``config_keys`` any other
+    is a config override (``train.compile_mode``), else an error."""
+    name, _, body = spec.partition(":")
+    sets: list[str] = []
+    edits: dict[str, dict] = {}
+    for item in filter(None, body.split(",")):
+        key, eq, _ = item.partition("=")
+        if config_keys and not is_plan_key(key):
+            if not eq:
+                raise SystemExit(f"--variant {spec!r}: {item!r} is not KEY=VALUE")
+            sets.append(item)
+        else:
+            plan_edit(edits, item, spec, "--variant")
+    if not name or not (sets or edits):
+        form = "KEY=VALUE" if config_keys else "KERNEL.FIELD=VALUE"
+        raise SystemExit(f"--variant {spec!r}: give NAME:{form},...")
+    return name, sets, edits
