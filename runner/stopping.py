@@ -92,12 +92,14 @@ def stop_run(
     # After the worker's save, the supervisor may wait for the checkpoint mirror.
     flush = state.mirror_flush_s or 0.0
     deadline = time.monotonic() + grace + flush + margin_s
-    while time.monotonic() < deadline:
+    while True:  # the last read is made at the deadline
         found, phase = settled_phase(run_dir)
         state = found or RunState()
         if phase in TERMINAL_PHASES:
             say(f"{run_dir}: {phase} ({state.reason or 'no reason'})")
             return 0
+        if time.monotonic() >= deadline:
+            break
         if phase == SupervisorPhase.DEAD:
             say(
                 f"{run_dir}: supervisor pid {pid} exited without recording a final phase; see "
@@ -105,11 +107,6 @@ def stop_run(
             )
             return 1
         time.sleep(poll_s)
-    found, phase = settled_phase(run_dir)
-    state = found or RunState()
-    if phase in TERMINAL_PHASES:  # ended between the last poll and the deadline
-        say(f"{run_dir}: {phase} ({state.reason or 'no reason'})")
-        return 0
     if not force:
         say(
             f"{run_dir} is still {phase} after "
