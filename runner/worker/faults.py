@@ -52,8 +52,7 @@ class Faults:
             os._exit(1)  # a crash: no protocol code, so the supervisor restarts the worker
         if self._once("hang_at_step", step):
             print(f"[fault] hang before step {step}", flush=True)
-            while True:
-                time.sleep(3600)
+            _forever()
         if self._once("hold_at_step", step):
             print(f"[fault] holding before step {step} until a stop signal", flush=True)
             while not self.stop_requested():
@@ -80,8 +79,13 @@ class Faults:
             time.sleep(self.slow_save)
         if self._once("stall_save_at_step", step):
             print(f"[fault] checkpoint write of step {step} stalls mid-write", flush=True)
-            while True:
-                time.sleep(3600)
+            _forever()
         if self._once("save_error_at_step", step):
             print(f"[fault] checkpoint write error at step {step}", flush=True)
             raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")
+
+
+def _forever() -> None:
+    """Sleep until the process is killed: a hang."""
+    while True:
+        time.sleep(3600)
