@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
 import time
 import types
@@ -208,9 +207,7 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
     )  # fmt: skip
     step_model = model
     if t.compile:
-        step_model = torch.compile(
-            model, mode=os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
-        )
+        step_model = torch.compile(model, mode=t.compile_mode)
     amp_dtype = resolve_precision(cfg, device)
     accum = t.grad_accum_steps
     waited = [0.0]

@@ -2,7 +2,7 @@
 
     python bench/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
     PYTHONPATH=.:<dir holding mamba_ssm/> python bench/bench_train.py --micro-batch 16 --anchor
-        [--variant graphs:train.compile_mode=reduce-overhead --variant h2:bwd_chunk.hpp=2]
+        [--variant whole:train.compile_scope=model --variant h2:bwd_chunk.hpp=2]
     python bench/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
 
 For each micro-batch size it builds the worker exactly as `m3run train` does (model, chunked
@@ -19,7 +19,7 @@ module (bench/anchor_lm.py), and prints its line and the ratio ours / official. 
 autotuner runs in its first step, which can take minutes: that step is reported apart.
 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
-(``train.compile_mode=reduce-overhead``) and scan launch-plan edits (``bwd_chunk.hpp=2``, the
+(``train.compile_scope=model``) and scan launch-plan edits (``bwd_chunk.hpp=2``, the
 fields of bench_scan_gpu.py's --variant), printed as ours[NAME] with its ratio to ours and to the
 anchor: a candidate is timed in the step, beside the official module, in one call.
 

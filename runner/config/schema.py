@@ -27,9 +27,14 @@ from runner.config.base import (
 )
 from runner.config.runtime import DistributedConfig, SupervisorConfig
 
-# torch.compile's documented modes; a typo here would otherwise surface only after the
-# worker's (possibly long) startup.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# torch.compile's documented modes that the training step can run; a typo here would otherwise
+# surface only after the worker's (possibly long) startup.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# torch.compile's modes that capture CUDA graphs. The step cannot replay one: with gradient
+# accumulation it reads a graph's outputs (the gradients it accumulates, the tied embedding's)
+# after the next replay has overwritten them, and under compile_scope=blocks one graph serves
+# every layer. On a GPU the first backward fails (docs/benchmarks.md, 2026-12-02, third).
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # fsspec protocols a checkpoint mirror may use (s3fs / gcsfs provide the remote ones).
 MIRROR_SCHEMES = ("s3", "gs", "gcs", "file")
@@ -143,6 +148,13 @@ class TrainConfig(_Section):
     @field_validator("compile_mode")
     @classmethod
     def _known_compile_mode(cls, mode: str | None) -> str | None:
+        if mode in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"train.compile_mode={mode} captures CUDA graphs, which the training step cannot "
+                "replay (gradient accumulation reads a graph's outputs after its next replay has "
+                "overwritten them) (fix: set train.compile_mode to default, or to "
+                "max-autotune-no-cudagraphs for max-autotune's kernel search)"
+            )
         if mode is not None and mode not in COMPILE_MODES:
             hint = did_you_mean(mode, COMPILE_MODES)
             raise ValueError(

@@ -197,11 +197,11 @@ class Trainer:
             self.ddp_model = DistributedDataParallel(self.model, device_ids=ids)
         self.step_model = self.ddp_model
         if t.compile:
-            mode = os.environ.get("TORCH_COMPILE_MODE") or t.compile_mode
             if t.compile_scope == "model":
-                self.step_model = torch.compile(self.ddp_model, options=compile_options(mode))
+                options = compile_options(t.compile_mode)
+                self.step_model = torch.compile(self.ddp_model, options=options)
             else:  # the blocks compiled in place; DDP's hooks stay eager around them
-                self.model.compile_blocks(mode=mode)
+                self.model.compile_blocks(mode=t.compile_mode)
         marks["compile_wrapped"] = time.time()
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)

@@ -207,6 +207,15 @@ def test_bad_choice_lists_the_choices():
     assert "train.compile_mode" in _error(overrides=["train.compile_mode=max-autotun"])
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_that_capture_cuda_graphs_are_refused_with_the_alternative(mode):
+    # On a GPU the step's first backward fails under them (accumulated gradients are a graph's
+    # outputs that its next replay overwrites); the config says so before any startup cost.
+    msg = _error(overrides=[f"train.compile_mode={mode}"])
+    assert f"train.compile_mode={mode} captures CUDA graphs" in msg
+    assert "fix: set train.compile_mode to default, or to max-autotune-no-cudagraphs" in msg
+
+
 def test_missing_required_fields_and_sections():
     msg = _error(MINIMAL.replace("lr: 1e-3, ", ""))
     assert "train.lr: required but missing (fix: add `lr:` under `train:`)" in msg
@@ -516,9 +525,9 @@ def test_device_and_precision_resolution():
 
 
 def test_warnings_flag_likely_mistakes():
-    cfg = parse_config(MINIMAL, ["train.compile_mode=max-autotune", "data.val_path=v"])
+    cfg = parse_config(MINIMAL, ["train.compile_mode=default", "data.val_path=v"])
     notes = "\n".join(cfg.warnings())
-    assert "compile_mode=max-autotune is ignored" in notes
+    assert "compile_mode=default is ignored" in notes
     assert "no evaluation will run" in notes
     wsd = parse_config(MINIMAL, ["train.schedule=wsd", "train.warmup_steps=9"])
     assert any("no stable phase" in w for w in wsd.warnings())
