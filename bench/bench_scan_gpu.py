@@ -3,7 +3,7 @@ kernel (when its source is importable) and the PyTorch chunked reference, forwar
 forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
-                                   [--chunk 64] [--no-ref] [--kernels] [--doc-len N]
+                                   [--chunk 64] [--no-ref] [--kernels] [--doc-len N] [--rounds 3]
                                    [--variant NAME:KERNEL.FIELD=VALUE,... ...]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
@@ -11,11 +11,13 @@ PYTHONPATH (``PYTHONPATH=path/to/dir-holding-mamba_ssm``) and it is timed beside
 Triton Mamba-3 modules are imported (the package ``__init__`` would load CUDA extensions). Its
 autotuner runs on the first call of each kernel, before the timing.
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first). Bandwidth counts
+Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first); forward+backward
+is timed ``--rounds`` times, the impls taking turns, and the median of the rounds kept (the
+official kernel is bound by its host-side launches and moves between rounds). Bandwidth counts
 the bytes of the inputs and outputs once: forward = inputs + y; forward+backward = that + dy +
 one gradient per input. ``--kernels`` splits one forward+backward into GPU kernels
-(torch.profiler, mean of 20 calls) for ours and the official kernel. ``--variant`` also times
-ours under the launch plan with some fields changed (``ours[NAME]``), e.g.
+(torch.profiler, mean of 20 calls) for ours and the official kernel, after the timings.
+``--variant`` also times ours under the launch plan with some fields changed (``ours[NAME]``), e.g.
 ``c8:bwd_chunk.num_warps=8,bwd_chunk.num_stages=2,bwd_chunk.maxnreg=none,bwd_chunk.cpp=2``,
 so that a candidate is timed beside the official kernel before it goes into the table.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -173,6 +176,12 @@ def main() -> None:
         help="GPU time of each kernel of fwd+bwd (of these impls; none named: both)",
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="forward+backward timings of each impl, taken in turns; the median is kept",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -180,6 +189,8 @@ def main() -> None:
         help="also time ours under the launch plan with these fields changed (repeatable)",
     )
     a = ap.parse_args()
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be ≥ 1, got {a.rounds}")
     variants = [(name, edits) for name, _, edits in map(parse_variant, a.variant)]
 
     import triton
@@ -207,24 +218,20 @@ def main() -> None:
     if not a.no_ref:
         impls["pytorch"] = ours_fn("pytorch")
 
-    if a.kernels is not None:
-        for name in a.kernels or ("ours", *(f"ours[{n}]" for n, _ in variants), "official"):
-            if name not in impls:
-                continue
-            with edited_plan(edits.get(name)):
-                rows = kernel_times(impls[name], x, a.chunk)
-            total = sum(ms for _, ms in rows)
-            print(f"\nfwd+bwd {name} by kernel (GPU time, {total:.3f} ms in all)")
-            for kname, ms in rows:
-                print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  {kname[:90]}")
-
     # Forward+backward of every impl first, with its ratio, so that a run cut short during the
-    # official kernel's autotune of its no-grad forward still has the line that matters.
-    fb = {}
-    for name, fn in impls.items():
-        with edited_plan(edits.get(name)):
-            fb[name] = time_fwd_bwd(fn, x, a.chunk)
-        print(f"{name}: fwd+bwd {fb[name]:.3f} ms", flush=True)
+    # official kernel's autotune of its no-grad forward still has the line that matters. The
+    # impls take turns for --rounds rounds: the official kernel is bound by its host-side
+    # launches and its time moves between rounds, so each round is printed and the median kept.
+    fb = {name: [] for name in impls}
+    for r in range(a.rounds):
+        for name, fn in impls.items():
+            with edited_plan(edits.get(name)):
+                fb[name].append(time_fwd_bwd(fn, x, a.chunk))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f} ms" for n, v in fb.items()),
+              flush=True)  # fmt: skip
+    fb = {name: statistics.median(times) for name, times in fb.items()}
+    for name, ms in fb.items():
+        print(f"{name}: fwd+bwd {ms:.3f} ms (median of {a.rounds})", flush=True)
     base = fb.get("official")
     if base:
         for name, ms in fb.items():
@@ -246,6 +253,18 @@ def main() -> None:
             f" {ms_fb:11.3f} {io_fb / ms_fb / 1e6:7.0f} {r_f:>8} {r_fb:>8}"
         )
     print("(fwd/off, f+b/off: time over the official kernel's time, same process)")
+
+    # After the timings, so that no profiler state touches them.
+    if a.kernels is not None:
+        for name in a.kernels or ("ours", *(f"ours[{n}]" for n, _ in variants), "official"):
+            if name not in impls:
+                continue
+            with edited_plan(edits.get(name)):
+                rows = kernel_times(impls[name], x, a.chunk)
+            total = sum(ms for _, ms in rows)
+            print(f"\nfwd+bwd {name} by kernel (GPU time, {total:.3f} ms in all)")
+            for kname, ms in rows:
+                print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  {kname[:90]}")
 
 
 if __name__ == "__main__":
