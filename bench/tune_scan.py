@@ -26,7 +26,10 @@ from kernels.mamba3 import triton_common as tc
 
 C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
-    "fwd": [C(4, 2), C(4, 3), C(8, 2)],
+    # bv 32: twice the sequential programs (b·h·2, one per p half), each with half the state
+    # tile; slower than whole p on an earlier forward (docs/benchmarks.md), retried on this one.
+    "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 3, 168), C(4, 2, bv=32), C(4, 3, bv=32),
+            C(2, 3, bv=32)],
     # maxnreg 128 at bv 0: four programs an SM, so b·h ≤ 528 sequential programs run in one
     # wave on an H200 (no spills on sm_90 since the kernel only carries dG).
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),

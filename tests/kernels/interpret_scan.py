@@ -45,10 +45,10 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv``: a launch
-# plan other than the defaults (kernels at another chunk than the caller's; the backward's state
-# kernel in blocks of p rows; its chunk kernel taking that many heads of a group, or chunks, in
-# turn, or p in blocks).
+# ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv``: a
+# launch plan other than the defaults (kernels at another chunk than the caller's; the forward
+# or the backward's state kernel in blocks of p rows; its chunk kernel taking that many heads of
+# a group, or chunks, in turn, or p in blocks).
 CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
@@ -77,9 +77,9 @@ CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
          reset=((0, 32, 45, 47), (0, 5, 63, 64, 99)), chunk_hpp=2),
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
-         reset=((0, 32, 45, 47), (0, 5, 63, 64, 99)), chunk_bv=16),
+         reset=((0, 32, 45, 47), (0, 5, 63, 64, 99)), chunk_bv=16, fwd_bv=16),
     dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True,
-         chunk_bv=16),
+         chunk_bv=16, fwd_bv=16),
     dict(b=1, t=90, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=False,
          chunk_hpp=2, chunk_cpp=2, chunk_bv=16),
 ]  # fmt: skip
@@ -152,6 +152,10 @@ def main() -> None:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
         plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
+        if "fwd_bv" in c:
+            base = tc.DEFAULT_CONFIGS["fwd"]
+            plan.configs["fwd"] = tc.LaunchConfig(base.num_warps, base.num_stages,
+                                                  bv=c.pop("fwd_bv"))  # fmt: skip
         if "dstate_bv" in c:
             base = tc.DEFAULT_CONFIGS["bwd_dstate"]
             plan.configs["bwd_dstate"] = tc.LaunchConfig(base.num_warps, base.num_stages,
