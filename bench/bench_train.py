@@ -9,9 +9,11 @@ For each micro-batch size it builds the worker exactly as `m3run train` does (mo
 linear cross-entropy, AdamW, accumulation, bf16 autocast, torch.compile) from the A100 recipe,
 times the first step (compilation) on its own, runs the other warm-up steps, then times
 optimizer steps and prints tokens/s, MFU against the bf16 matmul peak measured in the same run,
-peak memory, and (with --profile [N]) a breakdown of GPU time by kind of kernel and the N
-kernels that take most. Data comes from a small corpus prepared on the spot with the recipe's
-sequence length, so the data path is the real one too.
+peak memory, and (with --profile [N]) a breakdown of GPU time by kind of kernel, the N
+kernels that take most, and the GPU's idle time in the step with its N largest gaps and the
+kernels on either side of each (where the host, not the GPU, sets the pace). Data comes from a
+small corpus prepared on the spot with the recipe's sequence length, so the data path is the
+real one too.
 
 --anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
@@ -184,6 +186,7 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
         result["gpu_time_breakdown"] = {k: round(v / total, 4) for k, v in sorted(by_cat.items())}
         result["gpu_ms_per_step"] = total
         result["top_kernels"] = [{**r, "ms": round(r["ms"], 3)} for r in rows[:profile]]
+        result["gpu_idle"] = idle_gaps(device_spans(p.events()), top=profile)
     trainer.close()
     del trainer
     # Compiled graphs and their caches go too: the next model (another micro-batch, the
@@ -205,6 +208,47 @@ def kernel_rows(averages) -> list[dict]:
             rows.append({"kernel": evt.key[:120], "kind": categorise(evt.key),
                          "ms": us / 1e3, "calls": evt.count})  # fmt: skip
     return sorted(rows, key=lambda r: -r["ms"])
+
+
+def device_spans(events) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every GPU activity (kernels, copies) of a profile."""
+    from torch.autograd import DeviceType
+
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in events
+             if e.device_type == DeviceType.CUDA]  # fmt: skip
+    return [span for span in spans if span[1] > span[0]]
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int, floor_us: float = 20.0) -> dict:
+    """Where the GPU waits in one step: the span from its first activity to its last, the time
+    some activity runs (overlaps counted once), the idle rest, the gaps of ``floor_us`` or more
+    and the ``top`` largest with the activities that end before and start after each."""
+    if not spans:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0,
+                "largest": []}  # fmt: skip
+    spans = sorted(spans)
+    busy, gaps = 0.0, []
+    start, end, last = spans[0]
+    for s, e, name in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start, end, last = s, e, name
+        elif e > end:
+            end, last = e, name
+    busy += end - start
+    span = max(e for _, e, _ in spans) - spans[0][0]
+    big = sorted((g for g in gaps if g[0] >= floor_us), key=lambda g: -g[0])
+    return {
+        "span_ms": round(span / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "idle_ms": round((span - busy) / 1e3, 3),
+        "gaps": len(big),
+        "gaps_ms": round(sum(g[0] for g in big) / 1e3, 3),
+        "largest": [
+            {"us": round(us, 1), "after": a[:80], "before": b[:80]} for us, a, b in big[:top]
+        ],
+    }
 
 
 def line(r: dict) -> str:
@@ -390,6 +434,12 @@ def main() -> None:
                 print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time in the step; top kernels:")
                 for k in res["top_kernels"]:
                     print(f"   {k['ms']:9.3f} ms {k['calls']:5d}× {k['kind']:18} {k['kernel']}")
+                idle = res["gpu_idle"]
+                print(f"   GPU idle {idle['idle_ms']:.1f} ms of a {idle['span_ms']:.1f} ms span, "
+                      f"{idle['gaps_ms']:.1f} ms of it in {idle['gaps']} gaps of 20 µs or more; "
+                      "largest:")  # fmt: skip
+                for g in idle["largest"]:
+                    print(f"   {g['us']:9.1f} µs after {g['after']} | before {g['before']}")
             return res
 
         # The anchor's import fails before minutes are spent on ours.
