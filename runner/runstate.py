@@ -181,17 +181,20 @@ def effective_phase(state: RunState | None, run_dir: Path | None = None) -> str 
     return phase
 
 
-def settled_phase(run_dir: Path) -> tuple[RunState | None, str | None]:
-    """state.json and its effective phase, for a reader that acts on DEAD. A supervisor writes
-    its final phase and only then releases its lock and exits, so a state.json read just before
-    that write, checked against a lock released just after it, would call a cleanly ended run
-    DEAD: DEAD stands only when a second read, made after the supervisor was seen gone, still
-    names an active phase."""
+def settled_phase(run_dir: Path, by_lock: bool = True) -> tuple[RunState | None, str | None]:
+    """state.json and its effective phase, for a reader that acts on or shows DEAD. A
+    supervisor writes its final phase and only then releases its lock and exits, so a
+    state.json read just before that write, checked against a process gone just after it, would
+    call a cleanly ended run DEAD: DEAD stands only when a second read, made after the
+    supervisor was seen gone, still names an active phase. ``by_lock``: the supervisor counts
+    as alive only while it holds the run dir's lock (what `stop` needs before it signals);
+    else its pid and create time are enough (status, the liveness probe)."""
+    lock_dir = run_dir if by_lock else None
     state = read_state(run_dir)
-    phase = effective_phase(state, run_dir)
+    phase = effective_phase(state, lock_dir)
     if phase == SupervisorPhase.DEAD:
         state = read_state(run_dir)
-        phase = effective_phase(state, run_dir)
+        phase = effective_phase(state, lock_dir)
     return state, phase
 
 
@@ -268,7 +271,8 @@ def _last_complete_checkpoint(run_dir: Path) -> int | None:
 def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     """Everything `m3run status` shows, as one JSON-ready dict."""
     run_dir = Path(run_dir)
-    state = read_state(run_dir) or RunState()
+    found, phase = settled_phase(run_dir, by_lock=False)
+    state = found or RunState()
     hb = read_heartbeat(run_dir)
     metrics = _last_train_metrics(run_dir)
     now = time.time()
@@ -284,7 +288,6 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
     step = pick("step")
     total = hb.total_steps if hb is not None else None
     step_time = hb.step_time_s if hb is not None else None
-    phase = effective_phase(state) if state else None
     eta = None  # only while a worker trains: a stopped or finished run has none
     numbers = all(isinstance(v, (int, float)) for v in (step, total, step_time))
     if phase == SupervisorPhase.RUNNING and numbers and total >= step:
@@ -372,10 +375,9 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
     phase and, when a worker is running, its heartbeat is within the supervisor's calibrated
     allowance (plus slack for the supervisor's own reaction)."""
     now = time.time() if now is None else now
-    state = read_state(run_dir)
+    state, phase = settled_phase(run_dir, by_lock=False)
     if not state:
         return False, f"no {STATE_FILE} in {run_dir}: no supervisor has run here"
-    phase = effective_phase(state)
     if phase == SupervisorPhase.DEAD:
         return False, (
             f"supervisor pid {state.supervisor_pid} is gone but {STATE_FILE} says {state.phase!r}"

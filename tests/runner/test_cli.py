@@ -73,6 +73,35 @@ def test_status_reports_a_dead_supervisor(tmp_path):
     assert "(not running)" in invoke("status", run_dir, "--no-gpu").output
 
 
+def test_status_and_liveness_never_call_a_run_that_just_ended_dead(tmp_path, monkeypatch):
+    # The interleaving of a clean end: a reader takes state.json ("running"), then the
+    # supervisor writes its final phase and exits, then the reader finds its pid gone. Played
+    # here by a gone pid and the final write, made on disk right after the reader's first read.
+    real_read = runstate.read_state
+    reads: list[str | None] = []
+
+    def ended_after_first_read(run_dir: Path) -> Path:
+        reads.clear()
+        return write_run(run_dir, alive=False)
+
+    def read_then_end(run_dir):
+        state = real_read(run_dir)
+        if not reads:
+            record = read_json(Path(run_dir) / STATE_FILE)
+            record.update(phase="stopped", reason="received SIGTERM")
+            (Path(run_dir) / STATE_FILE).write_text(json.dumps(record))
+        reads.append(state.phase if state else None)
+        return state
+
+    monkeypatch.setattr(runstate, "read_state", read_then_end)
+    run_dir = ended_after_first_read(tmp_path / "status")
+    st = json.loads(invoke("status", run_dir, "--json", "--no-gpu").output)
+    assert reads == ["running", "stopped"] and st["phase"] == "stopped"
+    healthy, why = runstate.liveness(ended_after_first_read(tmp_path / "liveness"))
+    assert reads == ["running", "stopped"] and not healthy
+    assert "phase stopped: received SIGTERM" in why, why
+
+
 def test_status_finds_runs_by_name_and_latest(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = invoke("status")
