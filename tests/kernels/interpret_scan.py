@@ -152,14 +152,11 @@ def main() -> None:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
         plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
-        if "fwd_bv" in c:
-            base = tc.DEFAULT_CONFIGS["fwd"]
-            plan.configs["fwd"] = tc.LaunchConfig(base.num_warps, base.num_stages,
-                                                  bv=c.pop("fwd_bv"))  # fmt: skip
-        if "dstate_bv" in c:
-            base = tc.DEFAULT_CONFIGS["bwd_dstate"]
-            plan.configs["bwd_dstate"] = tc.LaunchConfig(base.num_warps, base.num_stages,
-                                                         bv=c.pop("dstate_bv"))  # fmt: skip
+        for kernel, key in (("fwd", "fwd_bv"), ("bwd_dstate", "dstate_bv")):
+            if key in c:
+                base = tc.DEFAULT_CONFIGS[kernel]
+                plan.configs[kernel] = tc.LaunchConfig(base.num_warps, base.num_stages,
+                                                       bv=c.pop(key))  # fmt: skip
         if {"chunk_hpp", "chunk_cpp", "chunk_bv"} & c.keys():
             base = tc.DEFAULT_CONFIGS["bwd_chunk"]
             plan.configs["bwd_chunk"] = tc.LaunchConfig(base.num_warps, base.num_stages,
