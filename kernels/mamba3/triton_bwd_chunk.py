@@ -164,12 +164,30 @@ if triton is not None:
         return acc, b_dphi
 
     @triton.jit
-    def _angle_grads(b_dphi, p_dphi, p_dphi_c, m_a):
-        """dΦ per token, at the (BT × BN2) pointers ``p_dphi`` masked by ``m_a``, and its chunk
-        sum at ``p_dphi_c``."""
-        b_dphi = tl.where(m_a, b_dphi, 0.0)
-        tl.store(p_dphi, b_dphi, mask=m_a)
-        tl.store(p_dphi_c, tl.sum(b_dphi, axis=0))
+    def _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT: tl.constexpr, BP: tl.constexpr,
+                 BN2: tl.constexpr):  # fmt: skip
+        """Where chunk i_c of head i_h of batch i_b lies: its token positions and their mask, its
+        first row, and the offsets of its (batch, head) row of the per-token scalars, of dy, do,
+        dv, dz ((b, t, h, p) contiguous), of dq, dk with HPP = 1 ((b, t, h, n)), of its bias
+        partials and of its states."""
+        i_bh = i_b * H + i_h
+        o_tc = i_c * BT + tl.arange(0, BT)
+        return (o_tc, o_tc < T, i_c * BT, i_bh * T, (i_b * T * H + i_h) * P,
+                (i_b * T * H + i_h) * N, ((i_b * NC + i_c) * H + i_h) * N,
+                (i_bh * NC + i_c) * BP * 2 * BN2)  # fmt: skip
+
+    @triton.jit
+    def _angle_grads(b_dphiq, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S,
+                     BN2: tl.constexpr):  # fmt: skip
+        """dΦ per token (its q and k terms summed) of the chunk's tokens ``o_tc`` (masked by
+        ``m_t``) of head i_h of batch i_b, stored in ``dphi`` ((b, t, h, S)), and its chunk sum
+        in ``dphi_c``."""
+        o_m = tl.arange(0, BN2)
+        m_a = m_t[:, None] & (o_m < S)[None, :]
+        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        b_dphi = tl.where(m_a, b_dphiq + b_dphik, 0.0)
+        tl.store(p_d, b_dphi, mask=m_a)
+        tl.store(dphi_c + ((i_b * H + i_h) * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
 
     @triton.jit
     def _decay_grads(b_dA, b_dw, b_xu, b_GG, b_AL2, keep, b_eL, b_ew, p_dadt, p_dw, m_t,
@@ -201,16 +219,8 @@ if triton is not None:
         HPP = 1 each is stored as soon as it is formed, so it holds no registers after. The gated
         ``do`` and the gate's slope are pinned (:func:`pin`): left to the compiler, the gate was
         recomputed from dy and z in each layout ``do`` is used in, for every warp."""
-        i_bh = i_b * H + i_h
-        o_tc = i_c * BT + tl.arange(0, BT)
-        o_m = tl.arange(0, BN2)
-        m_t = o_tc < T
-        r0 = i_c * BT
-        o_s = i_bh * T
-        o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
-        o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk with HPP = 1
-        o_b = ((i_b * NC + i_c) * H + i_h) * N  # the bias partials
-        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2  # the chunk's states
+        o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
+                                                             BP, BN2)  # fmt: skip
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
             adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
         )
@@ -265,9 +275,7 @@ if triton is not None:
             BN2, HPP,
         )  # fmt: skip
 
-        m_a = m_t[:, None] & (o_m < S)[None, :]
-        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
-        _angle_grads(b_dphi + b_dphik, p_d, dphi_c + (i_bh * NC + i_c) * BN2 + o_m, m_a)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BN2)
         # <dG_out, G_in> for ∂/∂A_L: both states are read again here (cache hits) rather than
         # held.
         b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
@@ -291,16 +299,8 @@ if triton is not None:
         then what the leaving state gives (dv, the ``x dG`` term of dk̄, ``<dG_out, G_in>``).
         The blocks of x, dy and z are loaded and gated again in each pass (cache hits), so no
         (BT × BP) tile and no (BP × N) state is held whole: fewer registers than one pass."""
-        i_bh = i_b * H + i_h
-        o_tc = i_c * BT + tl.arange(0, BT)
-        o_m = tl.arange(0, BN2)
-        m_t = o_tc < T
-        r0 = i_c * BT
-        o_s = i_bh * T
-        o_p = (i_b * T * H + i_h) * P  # (b, t, h, p) contiguous: dy, do, dv, dz
-        o_out = (i_b * T * H + i_h) * N  # (b, t, h, n): dq, dk with HPP = 1
-        o_b = ((i_b * NC + i_c) * H + i_h) * N  # the bias partials
-        o_gc = (i_bh * NC + i_c) * BP * 2 * BN2  # the chunk's states
+        o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
+                                                             BP, BN2)  # fmt: skip
         p_v = v + i_b * s_vb + i_h * s_vh
         p_z = z + i_b * s_zb + i_h * s_zh
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
@@ -375,9 +375,7 @@ if triton is not None:
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
             BN2, HPP,
         )  # fmt: skip
-        m_a = m_t[:, None] & (o_m < S)[None, :]
-        p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
-        _angle_grads(b_dphi + b_dphik, p_d, dphi_c + (i_bh * NC + i_c) * BN2 + o_m, m_a)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BN2)
         _decay_grads(b_dA, b_dw, b_xu, tl.sum(b_GG, axis=0), b_AL2, keep, b_eL,
                      b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
         return acc_q, acc_k
