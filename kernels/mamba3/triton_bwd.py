@@ -244,7 +244,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     cpp = cfgs["bwd_chunk"].cpp
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
     flags = dict(BT=BT, BP=BP, BN2=BN2, HPP=hpp, CPP=cpp, HAS_D=d is not None,
-                 HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv)  # fmt: skip
+                 HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
+                 WG=bool(cfgs["bwd_chunk"].wg))  # fmt: skip
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out

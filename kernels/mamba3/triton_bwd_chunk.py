@@ -15,6 +15,7 @@ from .triton_common import (
     chunk_phase,
     chunk_scalars,
     decay_weights,
+    dot_t,
     interpreting,
     load_dense,
     load_tile,
@@ -212,7 +213,7 @@ if triton is not None:
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
+        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, WG: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of head i_h of batch i_b: every gradient written, but with HPP > 1 dq and
         dk, which are added to the (BT × 2·BN2, fp32) ``acc_q``, ``acc_k`` and returned. With
@@ -247,29 +248,29 @@ if triton is not None:
         # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
         # rotated back at once (da = Rᵀ dā; dΦ = ā_E dā_O − ā_O dā_E).
         b_Gc = load_dense(g_in + o_gc, 0, BP, 2 * BN2)
-        b_qG = tl.dot(b_qc, tl.trans(b_Gc))
+        b_qG = dot_t(b_qc, tl.trans(b_Gc), WG)
         b_dA += b_eA * tl.sum(b_doc.to(tl.float32) * b_qG, axis=1)
-        b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * tl.dot(b_doc, b_Gc)
-        acc_q, b_dphi = _rotated_back_out(
-            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
-            BN2, HPP,
-        )  # fmt: skip
-        if HAS_Z:
+        if HAS_Z:  # dz first: the gate's slope and q̄G_inᵀ die before dq̄ is formed
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
             store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
+        b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
+        acc_q, b_dphi = _rotated_back_out(
+            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
+            BN2, HPP,
+        )  # fmt: skip
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
         # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
         b_dGc = load_dense(dg_out + o_gc, 0, BP, 2 * BN2)
-        b_u = tl.dot(b_kc, tl.trans(b_dGc))
+        b_u = dot_t(b_kc, tl.trans(b_dGc), WG)
         b_xu = tl.sum(b_x.to(tl.float32) * b_u, axis=1)  # x_jᵀ dG k̄_j
         b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
         if HAS_D:
             b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
         store_tile(tile_ptr(dv + o_p, T, P, H * P, r0, BT, BP), b_dx)
-        b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * tl.dot(b_x, b_dGc)
+        b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
             BN2, HPP,
@@ -387,6 +388,7 @@ if triton is not None:
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
+        WG: tl.constexpr,
     ):  # fmt: skip
         """One chunk of one head: in one pass (BV = BP) or over blocks of p."""
         if BV == BP:
@@ -394,7 +396,7 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET,
+                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, WG,
             )  # fmt: skip
         else:
             acc_q, acc_k = _chunk_head_pb(
@@ -412,6 +414,7 @@ if triton is not None:
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
+        WG: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of the HPP heads of block i_blk of batch i_b: their gradients, dq and dk
         summed over the block."""
@@ -420,7 +423,7 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, 0.0, 0.0, i_c,
                 i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
+                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
             NB = H // HPP
@@ -432,7 +435,7 @@ if triton is not None:
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, b_dq,
                     b_dk, i_c, i_b, i_blk * HPP + j, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh,
                     s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z,
-                    HAS_RESET, BV,
+                    HAS_RESET, BV, WG,
                 )  # fmt: skip
             o_out = (i_b * T * NB + i_blk) * N
             r0 = i_c * BT
@@ -446,7 +449,7 @@ if triton is not None:
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
         CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-        BV: tl.constexpr,
+        BV: tl.constexpr, WG: tl.constexpr,
     ):  # fmt: skip
         """CPP consecutive chunks, in turn, of HPP consecutive heads of one group of one batch
         (grid: chunk blocks × batch · h/HPP). See the module docstring. dq, dk are
@@ -462,7 +465,7 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_cb, i_b,
                 i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at,
-                s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
+                s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
             for i_c in range(i_cb * CPP, tl.minimum(NC, i_cb * CPP + CPP)):
@@ -470,5 +473,5 @@ if triton is not None:
                     q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c,
                     i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                    s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
+                    s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
                 )  # fmt: skip

@@ -100,7 +100,8 @@ class LaunchConfig:
     sums their dq, dk, so fewer partials are written and summed; a call uses the largest
     divisor of a group's heads not above it, so 1 where q, k are per head) and the chunks
     ``cpp`` it takes in turn (with num_stages > 1, a chunk's loads overlap the work on the
-    one before)."""
+    one before). ``wg`` 1 has the forward and the chunk kernel form their (chunk × 64)
+    products transposed (:func:`dot_t`), as warpgroup MMAs on sm_90."""
 
     num_warps: int
     num_stages: int
@@ -108,6 +109,7 @@ class LaunchConfig:
     bv: int = 0
     hpp: int = 1
     cpp: int = 1
+    wg: int = 0
 
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -118,8 +120,8 @@ class LaunchConfig:
     def as_dict(self) -> dict:
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
-        for key in ("hpp", "cpp"):  # a table entry names these only where not the default
-            if getattr(self, key) != 1:
+        for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0)):  # named where not default
+            if getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out
 
@@ -248,6 +250,18 @@ if triton is not None:
         def to_dot(x, DT: tl.constexpr):
             """x as a dot operand of dtype DT."""
             return x.to(DT)
+
+    @triton.jit
+    def dot_t(a, b, WG: tl.constexpr):
+        """a @ b (fp32 accumulation); with WG, formed as (bᵀ aᵀ)ᵀ. For ``a`` of a chunk's rows
+        and ``b`` of 64 columns, the transposed product has 64 rows, which on sm_90 makes it a
+        warpgroup MMA (wgmma) reading its operands from shared memory, where a chunk of 32 rows
+        would run as mma.sync with both operands in registers: the chunk kernel's spills went
+        from 236 to 100 B a thread at its 168-register cap (ptxas). A plan field
+        (``LaunchConfig.wg``), so the table keeps it to the GPUs it was timed on."""
+        if WG:
+            return tl.trans(tl.dot(tl.trans(b), tl.trans(a)))
+        return tl.dot(a, b)
 
     @triton.jit
     def tanh(x):

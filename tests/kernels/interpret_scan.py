@@ -11,6 +11,7 @@ reference. Run as a script (TRITON_INTERPRET must be set before Triton loads):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -45,10 +46,11 @@ from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
 from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
-# ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv``: a
-# launch plan other than the defaults (kernels at another chunk than the caller's; the forward
-# or the backward's state kernel in blocks of p rows; its chunk kernel taking that many heads of
-# a group, or chunks, in turn, or p in blocks).
+# ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv`` /
+# ``wg``: a launch plan other than the defaults (kernels at another chunk than the caller's; the
+# forward or the backward's state kernel in blocks of p rows; its chunk kernel taking that many
+# heads of a group, or chunks, in turn, or p in blocks; the forward's and the chunk kernel's
+# wide products formed transposed).
 CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
@@ -82,6 +84,9 @@ CASES = [
          chunk_bv=16, fwd_bv=16),
     dict(b=1, t=90, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=False,
          chunk_hpp=2, chunk_cpp=2, chunk_bv=16),
+    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True, wg=1),
+    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=16, state=False, d=False, z=True,
+         reset=((0, 1, 16, 33), (0, 20, 21)), wg=1),
 ]  # fmt: skip
 
 
@@ -163,6 +168,9 @@ def main() -> None:
                                                         bv=c.pop("chunk_bv", 0),
                                                         hpp=c.pop("chunk_hpp", 1),
                                                         cpp=c.pop("chunk_cpp", 1))  # fmt: skip
+        if c.pop("wg", 0):
+            for kernel in ("fwd", "bwd_chunk"):
+                plan.configs[kernel] = dataclasses.replace(plan.configs[kernel], wg=1)
         starts = c.pop("reset", None)
         triton_siso.plan_for = lambda *args, plan=plan: plan
         x = inputs(**c, gen=gen)
