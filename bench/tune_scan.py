@@ -28,8 +28,9 @@ C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # bv 32: twice the sequential programs (b·h·2, one per p half), each with half the state
     # tile; slower than whole p on an earlier forward (docs/benchmarks.md), retried on this one.
+    # wg 1: the wide products transposed (64 rows), warpgroup MMAs on sm_90.
     "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 3, 168), C(4, 2, bv=32), C(4, 3, bv=32),
-            C(2, 3, bv=32)],
+            C(2, 3, bv=32), C(4, 2, wg=1), C(4, 3, wg=1)],
     # maxnreg 128 at bv 0: four programs an SM, so b·h ≤ 528 sequential programs run in one
     # wave on an H200 (no spills on sm_90 since the kernel only carries dG).
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
@@ -39,12 +40,14 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # half / a quarter of the per-head dq, dk written and summed (timed with the head sum);
     # cpp with stages > 1: a chunk's loads under the work on the one before (cp.async). ptxas at
     # chunk 32, sm_90: 12 B of spills at 8 warps and hpp 2, 728 B at (4, 1, 168, hpp 2); 8 B at
-    # (8, 2, cpp 2), 696 B at (4, 2, 168, cpp 2).
+    # (8, 2, cpp 2), 696 B at (4, 2, 168, cpp 2). wg 1: 100 B at (4, 1, 168), 172 B at
+    # (8, 1, 128).
     "bwd_chunk": [C(4, 1), C(8, 1), C(4, 1, 168), C(4, 1, 128), C(8, 1, 128),
                   C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2),
                   C(8, 2, cpp=2), C(8, 2, cpp=4), C(8, 3, cpp=4), C(4, 2, 168, cpp=2),
                   C(4, 1, 168, bv=32), C(4, 2, 168, bv=32), C(4, 1, 168, bv=16),
-                  C(8, 1, 128, bv=32)],
+                  C(8, 1, 128, bv=32), C(4, 1, wg=1), C(4, 1, 168, wg=1), C(4, 1, 128, wg=1),
+                  C(8, 1, 128, wg=1)],
     "bwd_angle": [C(2, 1), C(4, 1)],
 }  # fmt: skip
 
@@ -83,8 +86,9 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
          log=print) -> tuple[float, dict[str, dict]]:  # fmt: skip
     """Time each kernel of ``names`` alone under each candidate at this chunk, the others under
     ``start`` (the defaults when None); returns the sum of the best times (ms) and {kernel: best
-    config as a dict}. A candidate that changes a launch's grid or buffers (a ``bv``, ``hpp`` or
-    ``cpp`` other than the starting one's) is recorded afresh from a forward+backward under it;
+    config as a dict}. A candidate that changes a launch's grid, buffers or flags (a ``bv``,
+    ``hpp``, ``cpp`` or ``wg`` other than the starting one's) is recorded afresh from a
+    forward+backward under it;
     a kernel's follower (FOLLOWERS) is timed with it."""
     import triton.testing
 
@@ -99,7 +103,8 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
             try:
                 default = start[name]
                 launches = base
-                if (cfg.bv, cfg.hpp, cfg.cpp) != (default.bv, default.hpp, default.cpp):
+                if (cfg.bv, cfg.hpp, cfg.cpp, cfg.wg) != (default.bv, default.hpp, default.cpp,
+                                                           default.wg):  # fmt: skip
                     launches = record(x, tc.Plan(chunk, dict(start, **{name: cfg})))
                 kern, grid, args, ce, _ = launches[name]
                 follower = launches.get(FOLLOWERS.get(name, ""))
