@@ -449,9 +449,9 @@ def main() -> None:
                 for k in res["top_kernels"]:
                     print(f"   {k['ms']:9.3f} ms {k['calls']:5d}× {k['kind']:18} {k['kernel']}")
                 idle = res["gpu_idle"]
-                print(f"   GPU idle {idle['idle_ms']:.1f} ms of the steps' {idle['span_ms']:.1f} ms span, "
-                      f"{idle['gaps_ms']:.1f} ms of it in {idle['gaps']} gaps of 20 µs or more; "
-                      "largest:")  # fmt: skip
+                print(f"   GPU idle {idle['idle_ms']:.1f} ms of the steps' {idle['span_ms']:.1f} "
+                      f"ms span, {idle['gaps_ms']:.1f} ms of it in {idle['gaps']} gaps of 20 µs "
+                      "or more; largest:")  # fmt: skip
                 for g in idle["largest"]:
                     print(f"   {g['us']:9.1f} µs after {g['after']} | before {g['before']}")
             return res

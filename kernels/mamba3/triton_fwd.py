@@ -145,8 +145,10 @@ if triton is not None:
                 p_gi = g_in + (i_bh.to(tl.int64) * NC + i_c) * BP * 2 * BN2
                 tl.store(p_gi + o_v[:, None] * (2 * BN2) + o_n[None, :], b_Gc)
             if WG:  # both products transposed (64 rows: warpgroup MMAs on sm_90), summed there
-                b_o = tl.trans(tl.dot(tl.trans(b_x), tl.trans(b_Mc))
-                               + b_eA[None, :] * tl.dot(b_Gc, tl.trans(b_qc)))
+                b_o = tl.trans(
+                    tl.dot(tl.trans(b_x), tl.trans(b_Mc))
+                    + b_eA[None, :] * tl.dot(b_Gc, tl.trans(b_qc))
+                )
             else:
                 b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * tl.dot(b_qc, tl.trans(b_Gc))
 
