@@ -33,6 +33,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
         loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        # Every step from a chunk's logits to its gradient is elementwise or a row reduction
+        # (no in-place write, no scatter), so that under torch.compile they fuse into kernels
+        # that read the compute-dtype logits and write the compute-dtype gradient, and no fp32
+        # (chunk × vocab) tensor reaches memory: a scatter of the −1 and a masked fill made
+        # inductor write an fp32 gradient and read it back to scale it.
+        cols = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, n, chunk_tokens):
             h = hidden[start : start + chunk_tokens]
             tgt = targets[start : start + chunk_tokens]
@@ -40,15 +46,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             safe_tgt = torch.where(ok, tgt, 0)
             logits = (h @ w.t()).to(acc)  # (c, v): the only fp32 logits ever alive
             if n_classes < logits.shape[1]:
-                logits[:, n_classes:] = float("-inf")
+                logits = torch.where(cols < n_classes, logits, float("-inf"))
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe_tgt[:, None]).squeeze(1)
             loss_sum += torch.where(ok, lse - picked, 0.0).sum()
             if need_grad:
                 # d(mean CE)/d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
-                g = torch.exp(logits - lse[:, None])
-                g.scatter_add_(1, safe_tgt[:, None], torch.full_like(picked[:, None], -1.0))
-                g = g * (ok.to(g.dtype) / denom)[:, None]
+                onehot = (cols == safe_tgt[:, None]).to(acc)
+                g = (torch.exp(logits - lse[:, None]) - onehot) * (ok.to(acc) / denom)[:, None]
                 g_c = g.to(h.dtype)
                 grad_hidden[start : start + chunk_tokens] = g_c @ w
                 grad_weight += (g_c.t() @ h).to(acc)
