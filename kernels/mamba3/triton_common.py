@@ -100,8 +100,9 @@ class LaunchConfig:
     sums their dq, dk, so fewer partials are written and summed; a call uses the largest
     divisor of a group's heads not above it, so 1 where q, k are per head) and the chunks
     ``cpp`` it takes in turn (with num_stages > 1, a chunk's loads overlap the work on the
-    one before). ``wg`` 1 has the forward and the chunk kernel form their (chunk × 64)
-    products transposed (:func:`dot_t`), as warpgroup MMAs on sm_90."""
+    one before). ``wg`` 1 has the forward and the chunk kernel (in one pass over p; its
+    p-block body ignores it) form their (chunk × 64) products transposed (:func:`dot_t`), as
+    warpgroup MMAs on sm_90."""
 
     num_warps: int
     num_stages: int
