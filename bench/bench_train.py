@@ -48,6 +48,8 @@ from plan_edits import edited_plan, parse_variant
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
+# --profile takes this many steps back to back, so the wait between steps is in its span.
+PROFILED_STEPS = 2
 
 
 def matmul_peak_flops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -204,9 +206,6 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
     if cuda:
         torch.cuda.empty_cache()
     return result
-
-
-PROFILED_STEPS = 2
 
 
 def kernel_rows(averages) -> list[dict]:
