@@ -100,8 +100,9 @@ class Mamba3LM(nn.Module):
         ``mode`` and :func:`compile_options`, or another ``backend`` (tests). The blocks share
         one forward and differ only in their parameters, which the compiled graph takes as
         inputs, so the first block's graph serves every layer: a cold start traces and compiles
-        one block, not the stack. The loss is compiled too (its softmax fused); the embedding
-        and the final norm stay eager."""
+        one block, not the stack. The loss is compiled too (its softmax fused, or under the
+        Triton backend its small ops around the cross-entropy kernel); the embedding and the
+        final norm stay eager."""
         kwargs = {"options": compile_options(mode)} if backend == "inductor" else {}
         for block in self.layers:
             block.compile(backend=backend, **kwargs)
@@ -142,7 +143,9 @@ class Mamba3LM(nn.Module):
             reset = document_starts(idx, eos_id)
         h = self.hidden_states(idx, reset)
         if targets is not None:  # the padded embedding: aligned matmuls, padding rows no class
-            return self.loss_fn(h, self.embedding.weight, targets, n_classes=self.config.vocab_size)
+            return self.loss_fn(h, self.embedding.weight, targets,
+                                n_classes=self.config.vocab_size,
+                                backend=self.config.scan_backend)  # fmt: skip
         return F.linear(h, self.head_weight.to(h.dtype))
 
     # -- decoding ---------------------------------------------------------------------------

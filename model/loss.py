@@ -5,7 +5,8 @@ would keep them alive until backward. :class:`LinearCrossEntropy` instead walks 
 chunks, computes each chunk's logits, its loss *and* its gradients in the forward pass, and keeps
 only the gradients w.r.t. the hidden states and the head weight (the same idea as the fused
 linear cross-entropy of Liger-Kernel, written here in plain PyTorch). Peak extra memory is one
-chunk of logits.
+chunk of logits. Under the Triton backend the softmax and its gradient, per chunk, are one
+kernel (kernels/cross_entropy.py) that reads the logits once from memory.
 """
 
 from __future__ import annotations
@@ -13,13 +14,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.mamba3 import resolve_backend
+
 IGNORE_INDEX = -100
+
+
+def _use_kernel(backend: str, hidden: Tensor) -> bool:
+    """Whether the chunks' softmax runs in the Triton kernel: under a backend that resolves to
+    Triton on hidden's device; under "auto" only for the dtypes it takes (float64 runs the
+    PyTorch form, as the scan and the SwiGLU operator do)."""
+    if backend == "pytorch" or resolve_backend(backend, hidden.device) != "triton":
+        return False
+    from kernels import cross_entropy
+
+    return backend == "triton" or hidden.dtype in cross_entropy.DTYPES
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
-                n_classes: int):  # fmt: skip
+                n_classes: int, use_kernel: bool):  # fmt: skip
         # hidden (n, d) in the compute dtype, weight (v, d) master (fp32), targets (n,) int64;
         # rows n_classes.. of weight are padding: their logits are -inf, so their gradient is 0.
         n = hidden.shape[0]
@@ -38,6 +52,19 @@ class LinearCrossEntropy(torch.autograd.Function):
         # that read the compute-dtype logits and write the compute-dtype gradient, and no fp32
         # (chunk × vocab) tensor reaches memory: a scatter of the −1 and a masked fill made
         # inductor write an fp32 gradient and read it back to scale it.
+        if use_kernel:  # (linear_cross_entropy's choice; a CPU test's in the interpreter)
+            from kernels.cross_entropy import ce_grad
+
+            inv_n = 1.0 / denom
+            for start in range(0, n, chunk_tokens):
+                h = hidden[start : start + chunk_tokens]
+                g_c, rows = ce_grad(h @ w.t(), targets[start : start + chunk_tokens], inv_n,
+                                    n_classes)  # fmt: skip
+                loss_sum += rows.sum()
+                if need_grad:
+                    grad_hidden[start : start + chunk_tokens] = g_c @ w
+                    grad_weight += (g_c.t() @ h).to(acc)
+            return _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss_sum / denom)
         cols = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, n, chunk_tokens):
             h = hidden[start : start + chunk_tokens]
@@ -57,17 +84,21 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g_c = g.to(h.dtype)
                 grad_hidden[start : start + chunk_tokens] = g_c @ w
                 grad_weight += (g_c.t() @ h).to(acc)
-        ctx.weight_dtype = weight.dtype
-        if need_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss_sum / denom
+        return _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss_sum / denom)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
+
+
+def _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss):
+    ctx.weight_dtype = weight.dtype
+    if need_grad:
+        ctx.save_for_backward(grad_hidden, grad_weight)
+    return loss
 
 
 def linear_cross_entropy(
@@ -76,6 +107,7 @@ def linear_cross_entropy(
     targets: Tensor,
     chunk_tokens: int = 4096,
     n_classes: int | None = None,
+    backend: str = "pytorch",
 ) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (ignore_index -100).
 
@@ -83,7 +115,9 @@ def linear_cross_entropy(
     dtype (bf16 under autocast), the softmax in fp32. With ``n_classes`` < rows, the rows from
     ``n_classes`` on are padding and no class: pass the padded embedding of a tied head, whose
     row count (a multiple of 64) keeps the logits' rows aligned. cuBLAS runs a 50,257-wide
-    GPT-2 head on its unaligned fallback kernels, several times slower.
+    GPT-2 head on its unaligned fallback kernels, several times slower. ``backend`` is the
+    model's kernel choice (model.scan_backend): where it resolves to Triton, each chunk's
+    softmax and gradient run in one kernel (kernels/cross_entropy.py).
     """
     n_classes = weight.shape[0] if n_classes is None else n_classes
     if not 1 <= n_classes <= weight.shape[0]:
@@ -94,7 +128,8 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     with torch.autocast(hidden.device.type, enabled=False):
+        use_kernel = _use_kernel(backend, hidden)
         out = LinearCrossEntropy.apply(
-            hidden.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, n_classes
+            hidden.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, n_classes, use_kernel
         )
     return out.to(weight.dtype)

@@ -1,8 +1,8 @@
 """The Triton scan kernels without a GPU: run in the Triton interpreter on small shapes against the
 PyTorch chunked reference, and compiled offline for sm_80 (A100) and sm_90 at the benchmark tile
 shape with every configuration of the checked-in launch table and the defaults, which must fit
-the architecture's shared memory and registers. The SwiGLU operator's kernels run in the
-interpreter too. All need Triton installed (not a GPU)."""
+the architecture's shared memory and registers. The SwiGLU operator's and the
+cross-entropy kernels run in the interpreter too. All need Triton installed (not a GPU)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,11 @@ RUNS = {
     "bf16-1024": (("--bf16", "1024"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
     "bf16-2048": (("--bf16", "2048"), {"M3RUN_SCAN_EMULATE_BF16": "1"}),
 }
-SCRIPTS = {"opcheck": "opcheck_scan.py", "swiglu": "interpret_swiglu.py"}  # a script each
+SCRIPTS = {  # a script each
+    "opcheck": "opcheck_scan.py",
+    "swiglu": "interpret_swiglu.py",
+    "cross_entropy": "interpret_cross_entropy.py",
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +126,13 @@ def test_the_swiglu_operator_matches_the_plain_module(interpreted):
     """The fused SwiGLU operator's output and both gradients equal the plain module's formula
     (fp32 against float64), compiled as eagerly, and opcheck passes both operators."""
     _ran_ok(interpreted, "swiglu")
+
+
+def test_the_cross_entropy_kernel_matches_the_pytorch_loss(interpreted):
+    """The cross-entropy kernel in the chunked loss (interpret_cross_entropy.py): the loss and
+    both gradients against the PyTorch form in float64, with ignored targets and padding
+    columns; ignored rows get nothing; compiled as eagerly; opcheck passes the operator."""
+    _ran_ok(interpreted, "cross_entropy")
 
 
 def _ran_ok(procs: dict, name: str) -> None:

@@ -1,0 +1,100 @@
+"""The softmax half of the chunked linear cross-entropy (model/loss.py) as one Triton kernel.
+
+For a chunk of logits (rows × vocab, the head's matmul output in the compute dtype), one program
+per row reads the row twice, the second time from L2: the running max and sum of exponentials
+over blocks of columns, then the gradient of the mean loss, ``(softmax − onehot)/n_valid``,
+written in the logits' dtype. It returns each row's loss ``lse − logit[target]`` in fp32 (0 on
+ignored rows, whose gradient is 0). The compiled PyTorch form it replaces read the bf16 logits
+twice from memory in separate fused kernels (at about 2.2 TB/s on an H200, 0.57 ms a
+4096-token chunk of a 50k vocabulary; docs/benchmarks.md).
+
+Columns from ``n_classes`` on are padding of the tied embedding: no class, a gradient of 0.
+Opaque to torch.compile like the other operators here (a custom op).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
+
+BLOCK = 4096  # columns per step of a row: 16 per thread at 8 warps
+NUM_WARPS = 8
+IGNORE_INDEX = -100
+
+if triton is not None:
+
+    @triton.jit
+    def ce_grad_kernel(logits, targets, inv_n, grad, loss, V, NC, IGNORE: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
+        """Row program_id(0) of ``logits`` (rows × V, contiguous): its loss into ``loss`` and
+        its gradient into ``grad`` (same layout); classes are the first NC columns."""
+        i_r = tl.program_id(0).to(tl.int64)
+        p_x = logits + i_r * V
+        p_g = grad + i_r * V
+        o_c = tl.arange(0, BLOCK)
+        m = tl.full([], float("-inf"), tl.float32)  # the running max and sum of exp(x − m)
+        s = tl.zeros([], tl.float32)
+        for c0 in range(0, NC, BLOCK):  # block 0 holds a class: m is finite from there on
+            b_x = tl.load(p_x + c0 + o_c, mask=c0 + o_c < NC, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(b_x, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(b_x - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+
+        tgt = tl.load(targets + i_r)
+        ok = tgt != IGNORE
+        safe = tl.where(ok, tgt, 0)
+        picked = tl.load(p_x + safe).to(tl.float32)
+        tl.store(loss + i_r, tl.where(ok, lse - picked, 0.0))
+        scale = tl.where(ok, tl.load(inv_n), 0.0)
+        for c0 in range(0, V, BLOCK):
+            o_v = c0 + o_c
+            b_x = tl.load(p_x + o_v, mask=o_v < NC, other=float("-inf")).to(tl.float32)
+            b_g = (tl.exp(b_x - lse) - tl.where(o_v == safe, 1.0, 0.0)) * scale  # 0 on padding
+            tl.store(p_g + o_v, b_g.to(grad.dtype.element_ty), mask=o_v < V)
+
+
+@torch.library.custom_op("m3run::ce_grad", mutates_args=())
+def ce_grad_op(logits: Tensor, targets: Tensor, inv_n: Tensor, n_classes: int) -> tuple[
+    Tensor, Tensor
+]:  # fmt: skip
+    """(rows, V) logits, (rows,) int64 targets, a 0-d fp32 1/n_valid → the gradient of the
+    mean loss w.r.t. the logits (their dtype) and the per-row loss (fp32)."""
+    rows, v = logits.shape
+    grad = torch.empty_like(logits)
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        ce_grad_kernel[(rows,)](logits, targets, inv_n, grad, loss, v, n_classes,
+                                IGNORE=IGNORE_INDEX, BLOCK=BLOCK, num_warps=NUM_WARPS)  # fmt: skip
+    return grad, loss
+
+
+@ce_grad_op.register_fake
+def _(logits, targets, inv_n, n_classes):
+    return torch.empty_like(logits), logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+def ce_grad(logits: Tensor, targets: Tensor, inv_n: Tensor, n_classes: int) -> tuple[
+    Tensor, Tensor
+]:  # fmt: skip
+    """:func:`ce_grad_op` with its inputs checked: ``logits`` (rows, V) on a CUDA device (or
+    in the Triton interpreter) in bf16, fp16 or fp32, ``targets`` (rows,) in 0..n_classes−1 or
+    -100; callers choose it through the model's backend (model/loss.py)."""
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(TRITON_IMPORT_ERROR)
+    if logits.dtype not in DTYPES:
+        raise ValueError(
+            f"the cross-entropy kernel takes logits in {DTYPES} (fp32 inside), got "
+            f'{logits.dtype}; use backend="pytorch"'
+        )
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be (rows, V) and targets (rows,), got {tuple(logits.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    if not 1 <= n_classes <= logits.shape[1]:
+        raise ValueError(f"n_classes must be in 1..{logits.shape[1]}, got {n_classes}")
+    return ce_grad_op(logits.contiguous(), targets.contiguous(),
+                      inv_n.to(torch.float32).reshape(()), n_classes)  # fmt: skip
