@@ -2,12 +2,14 @@
 mixer is the official Mamba-3 module (`mamba_ssm.modules.mamba3.Mamba3`, SISO, with its own
 Triton kernels), trained in the benchmark's process the way the worker trains ours.
 
-Only the mixer differs. Around it the LM is a fixed plain-PyTorch copy of our block structure
-(`x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x))`, fp32 RMSNorm, fused gate/up SwiGLU, a final
-RMSNorm, the embedding padded to a multiple of 64 and tied to the LM head), with our init, our
-chunked linear cross-entropy and our AdamW groups; the step is the worker's: micro-batches
-under bf16 autocast, accumulation, gradient clipping, one host sync, fused AdamW, the same
-torch.compile mode and the same data loader.
+Only the mixer differs in structure. Around it the LM is a fixed plain-PyTorch copy of our block
+structure (`x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x))`, fp32 RMSNorm, fused gate/up
+SwiGLU, a final RMSNorm, the embedding padded to a multiple of 64 and tied to the LM head), with
+our init, our chunked linear cross-entropy and our AdamW groups; where ours runs its own kernels
+beside the scan (the SwiGLU operator, the loss's cross-entropy kernel), the anchor runs the
+PyTorch forms. The step is the worker's: micro-batches under bf16 autocast, accumulation,
+gradient clipping, one host sync, fused AdamW, the same torch.compile mode and the same data
+loader.
 
 The official module is never a dependency of m3run: it is imported here only, from a
 mamba_ssm source tree put on PYTHONPATH (`PYTHONPATH=<dir holding mamba_ssm/>`). Only its

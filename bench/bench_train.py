@@ -68,7 +68,7 @@ def matmul_peak_flops(device: torch.device, n: int = 8192, reps: int = 20) -> fl
 
 CATEGORIES = [
     ("scan", ("mamba3", "siso", "_chunk", "_state", "triton_siso")),
-    ("loss", ("logsumexp", "cross_entropy", "scatter", "gather", "log_softmax")),
+    ("loss", ("logsumexp", "cross_entropy", "ce_grad", "scatter", "gather", "log_softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adamw")),
     ("matmul", ("gemm", "sm90", "cutlass", "nvjet", "matmul", "mm_", "cublas")),
     (
