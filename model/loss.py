@@ -5,8 +5,8 @@ would keep them alive until backward. :class:`LinearCrossEntropy` instead walks 
 chunks, computes each chunk's logits, its loss *and* its gradients in the forward pass, and keeps
 only the gradients w.r.t. the hidden states and the head weight (the same idea as the fused
 linear cross-entropy of Liger-Kernel, written here in plain PyTorch). Peak extra memory is one
-chunk of logits. Under the Triton backend the softmax and its gradient, per chunk, are one
-kernel (kernels/cross_entropy.py) that reads the logits once from memory.
+chunk of logits. Under the Triton backend each chunk's softmax, loss and gradient are one
+kernel (kernels/cross_entropy.py) instead of the compiled PyTorch form's fused kernels.
 """
 
 from __future__ import annotations
@@ -47,12 +47,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
         loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        # Every step from a chunk's logits to its gradient is elementwise or a row reduction
-        # (no in-place write, no scatter), so that under torch.compile they fuse into kernels
-        # that read the compute-dtype logits and write the compute-dtype gradient, and no fp32
-        # (chunk × vocab) tensor reaches memory: a scatter of the −1 and a masked fill made
-        # inductor write an fp32 gradient and read it back to scale it.
-        if use_kernel:  # (linear_cross_entropy's choice; a CPU test's in the interpreter)
+        if use_kernel:  # chosen by linear_cross_entropy (or a CPU test, in the interpreter)
             from kernels.cross_entropy import ce_grad
 
             inv_n = 1.0 / denom
@@ -65,6 +60,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start : start + chunk_tokens] = g_c @ w
                     grad_weight += (g_c.t() @ h).to(acc)
             return _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss_sum / denom)
+        # Every step from a chunk's logits to its gradient is elementwise or a row reduction
+        # (no in-place write, no scatter), so that under torch.compile they fuse into kernels
+        # that read the compute-dtype logits and write the compute-dtype gradient, and no fp32
+        # (chunk × vocab) tensor reaches memory: a scatter of the −1 and a masked fill made
+        # inductor write an fp32 gradient and read it back to scale it.
         cols = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, n, chunk_tokens):
             h = hidden[start : start + chunk_tokens]
