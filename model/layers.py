@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.mamba3 import resolve_backend
+from kernels.mamba3 import uses_triton_kernels
 
 
 class RMSNorm(nn.Module):
@@ -38,10 +38,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up(x)
-        if self.backend != "pytorch" and resolve_backend(self.backend, x.device) == "triton":
+        if uses_triton_kernels(self.backend, gu):
             from kernels import swiglu
 
-            if self.backend == "triton" or gu.dtype in swiglu.DTYPES:
-                return swiglu.swiglu_down(gu, self.down.weight)
+            return swiglu.swiglu_down(gu, self.down.weight)
         gate, up = gu.split(self.d_hidden, dim=-1)
         return self.down(F.silu(gate) * up)

@@ -14,20 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.mamba3 import resolve_backend
+from kernels.mamba3 import uses_triton_kernels
 
 IGNORE_INDEX = -100
-
-
-def _use_kernel(backend: str, hidden: Tensor) -> bool:
-    """Whether the chunks' softmax runs in the Triton kernel: under a backend that resolves to
-    Triton on hidden's device; under "auto" only for the dtypes it takes (float64 runs the
-    PyTorch form, as the scan and the SwiGLU operator do)."""
-    if backend == "pytorch" or resolve_backend(backend, hidden.device) != "triton":
-        return False
-    from kernels import cross_entropy
-
-    return backend == "triton" or hidden.dtype in cross_entropy.DTYPES
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -128,7 +117,7 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     with torch.autocast(hidden.device.type, enabled=False):
-        use_kernel = _use_kernel(backend, hidden)
+        use_kernel = uses_triton_kernels(backend, hidden)
         out = LinearCrossEntropy.apply(
             hidden.reshape(-1, d), weight, targets.reshape(-1), chunk_tokens, n_classes, use_kernel
         )

@@ -8,6 +8,7 @@ from .api import (
     mamba3_siso_step,
     resolve_backend,
     triton_unavailable_reason,
+    uses_triton_kernels,
 )
 from .naive import State, zero_state
 
@@ -20,5 +21,6 @@ __all__ = [
     "mamba3_siso_step",
     "resolve_backend",
     "triton_unavailable_reason",
+    "uses_triton_kernels",
     "zero_state",
 ]

@@ -77,6 +77,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def uses_triton_kernels(backend: str, x: Tensor) -> bool:
+    """Whether a model part beside the scan (the SwiGLU operator, the loss's cross-entropy
+    kernel) runs its Triton kernel on ``x``: where ``backend`` resolves to Triton on x's device,
+    and under "auto" only for the dtypes the kernels take (float64 runs the PyTorch form); an
+    explicit "triton" that cannot run raises, as :func:`resolve_backend` does."""
+    if backend == "pytorch" or resolve_backend(backend, x.device) != "triton":
+        return False
+    from .triton_common import DTYPES
+
+    return backend == "triton" or x.dtype in DTYPES
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
