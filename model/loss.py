@@ -40,40 +40,24 @@ class LinearCrossEntropy(torch.autograd.Function):
             from kernels.cross_entropy import ce_grad
 
             inv_n = 1.0 / denom
-            for start in range(0, n, chunk_tokens):
-                h = hidden[start : start + chunk_tokens]
-                g_c, rows = ce_grad(h @ w.t(), targets[start : start + chunk_tokens], inv_n,
-                                    n_classes)  # fmt: skip
-                loss_sum += rows.sum()
-                if need_grad:
-                    grad_hidden[start : start + chunk_tokens] = g_c @ w
-                    grad_weight += (g_c.t() @ h).to(acc)
-            return _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss_sum / denom)
-        # Every step from a chunk's logits to its gradient is elementwise or a row reduction
-        # (no in-place write, no scatter), so that under torch.compile they fuse into kernels
-        # that read the compute-dtype logits and write the compute-dtype gradient, and no fp32
-        # (chunk × vocab) tensor reaches memory: a scatter of the −1 and a masked fill made
-        # inductor write an fp32 gradient and read it back to scale it.
-        cols = torch.arange(weight.shape[0], device=hidden.device)
+        else:
+            cols = torch.arange(weight.shape[0], device=hidden.device)
         for start in range(0, n, chunk_tokens):
             h = hidden[start : start + chunk_tokens]
             tgt = targets[start : start + chunk_tokens]
-            ok = tgt != IGNORE_INDEX
-            safe_tgt = torch.where(ok, tgt, 0)
-            logits = (h @ w.t()).to(acc)  # (c, v): the only fp32 logits ever alive
-            if n_classes < logits.shape[1]:
-                logits = torch.where(cols < n_classes, logits, float("-inf"))
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_tgt[:, None]).squeeze(1)
-            loss_sum += torch.where(ok, lse - picked, 0.0).sum()
+            if use_kernel:
+                g_c, row_loss = ce_grad(h @ w.t(), tgt, inv_n, n_classes)
+            else:
+                g_c, row_loss = _softmax_grad(h @ w.t(), tgt, cols, n_classes, denom, acc,
+                                              need_grad)  # fmt: skip
+            loss_sum += row_loss.sum()
             if need_grad:
-                # d(mean CE)/d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
-                onehot = (cols == safe_tgt[:, None]).to(acc)
-                g = (torch.exp(logits - lse[:, None]) - onehot) * (ok.to(acc) / denom)[:, None]
-                g_c = g.to(h.dtype)
                 grad_hidden[start : start + chunk_tokens] = g_c @ w
                 grad_weight += (g_c.t() @ h).to(acc)
-        return _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss_sum / denom)
+        ctx.weight_dtype = weight.dtype
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum / denom
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -83,11 +67,31 @@ class LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
-def _finish(ctx, weight, need_grad, grad_hidden, grad_weight, loss):
-    ctx.weight_dtype = weight.dtype
-    if need_grad:
-        ctx.save_for_backward(grad_hidden, grad_weight)
-    return loss
+def _softmax_grad(logits: Tensor, tgt: Tensor, cols: Tensor, n_classes: int, denom: Tensor,
+                  acc: torch.dtype, need_grad: bool) -> tuple[Tensor | None, Tensor]:  # fmt: skip
+    """The PyTorch form of one chunk's step from its logits (c, v), in the compute dtype: the
+    gradient of the mean loss in that dtype (None without ``need_grad``) and each row's loss
+    (in ``acc``; 0 on ignored rows).
+
+    Every step is elementwise or a row reduction (no in-place write, no scatter), so that under
+    torch.compile they fuse into kernels that read the compute-dtype logits and write the
+    compute-dtype gradient, and no fp32 (chunk × vocab) tensor reaches memory: a scatter of the
+    −1 and a masked fill made inductor write an fp32 gradient and read it back to scale it."""
+    ok = tgt != IGNORE_INDEX
+    safe_tgt = torch.where(ok, tgt, 0)
+    dtype = logits.dtype
+    logits = logits.to(acc)  # (c, v): the only fp32 logits ever alive
+    if n_classes < logits.shape[1]:
+        logits = torch.where(cols < n_classes, logits, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, safe_tgt[:, None]).squeeze(1)
+    row_loss = torch.where(ok, lse - picked, 0.0)
+    if not need_grad:
+        return None, row_loss
+    # d(mean CE)/d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
+    onehot = (cols == safe_tgt[:, None]).to(acc)
+    g = (torch.exp(logits - lse[:, None]) - onehot) * (ok.to(acc) / denom)[:, None]
+    return g.to(dtype), row_loss
 
 
 def linear_cross_entropy(
