@@ -4,7 +4,7 @@ forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--chunk 64] [--no-ref] [--kernels] [--doc-len N] [--rounds 3]
-                                   [--variant NAME:KERNEL.FIELD=VALUE,... ...]
+                                   [--variant NAME:KERNEL.FIELD=VALUE,... ...] [--row-width W ...]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
 PYTHONPATH (``PYTHONPATH=path/to/dir-holding-mamba_ssm``) and it is timed beside ours; only its
@@ -99,16 +99,42 @@ def nbytes(tensors) -> int:
     return sum(x.numel() * x.element_size() for x in tensors)
 
 
-def time_fwd_bwd(fn, x, chunk) -> float:
+def differentiable(x, row_width: int = 0):
+    """Leaves for autograd and a function giving the call's keyword arguments from them. With
+    ``row_width``, z and v are the column ranges [0, E) and [E, 2E) of one (b, t, row_width) leaf
+    (E = h·p), as they are of the model's in_proj output, so the kernels read them with its row
+    stride and their gradients meet in one tensor."""
+    leaves = {key: val.clone().requires_grad_() for key, val in x.items()
+              if not (row_width and key in ("v", "z"))}  # fmt: skip
+    if not row_width:
+        return leaves, lambda: leaves
+    b, t, h, p = x["v"].shape
+    e = h * p
+    if row_width < 2 * e:
+        raise SystemExit(f"--row-width must be ≥ 2·h·p = {2 * e}, got {row_width}")
+    wide = x["v"].new_zeros(b, t, row_width)
+    wide[..., :e] = x["z"].reshape(b, t, e)
+    wide[..., e : 2 * e] = x["v"].reshape(b, t, e)
+    leaves["wide"] = wide.requires_grad_()
+
+    def kwargs():
+        rest = {key: val for key, val in leaves.items() if key != "wide"}
+        z = wide[..., :e].unflatten(-1, (h, p))
+        return {**rest, "z": z, "v": wide[..., e : 2 * e].unflatten(-1, (h, p))}
+
+    return leaves, kwargs
+
+
+def time_fwd_bwd(fn, x, chunk, row_width: int = 0) -> float:
     """Median ms of one forward+backward (compiled, and for the official kernel autotuned,
     outside the timing)."""
     import triton.testing
 
-    leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
+    leaves, kwargs = differentiable(x, row_width)
     gy = torch.randn_like(x["v"])
 
     def fwd_bwd():
-        fn(chunk_size=chunk, **leaves).backward(gy)
+        fn(chunk_size=chunk, **kwargs()).backward(gy)
 
     fwd_bwd()
     return triton.testing.do_bench(
@@ -116,30 +142,32 @@ def time_fwd_bwd(fn, x, chunk) -> float:
     )
 
 
-def time_fwd(fn, x, chunk) -> float:
+def time_fwd(fn, x, chunk, row_width: int = 0) -> float:
     """Median ms of one forward without autograd (the official kernel autotunes this variant
     afresh, which takes minutes)."""
     import triton.testing
 
+    kwargs = differentiable(x, row_width)[1]
+
     def fwd():
         with torch.no_grad():
-            return fn(chunk_size=chunk, **x)
+            return fn(chunk_size=chunk, **kwargs())
 
     fwd()
     return triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
 
 
-def kernel_times(fn, x, chunk, reps: int = 20) -> list[tuple[str, float]]:
+def kernel_times(fn, x, chunk, reps: int = 20, row_width: int = 0) -> list[tuple[str, float]]:
     """GPU time per kernel name of one forward+backward, in ms, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    leaves = {key: val.clone().requires_grad_() for key, val in x.items()}
+    leaves, kwargs = differentiable(x, row_width)
     gy = torch.randn_like(x["v"])
 
     def step():
         for leaf in leaves.values():
             leaf.grad = None
-        fn(chunk_size=chunk, **leaves).backward(gy)
+        fn(chunk_size=chunk, **kwargs()).backward(gy)
 
     for _ in range(3):
         step()
@@ -182,6 +210,15 @@ def main() -> None:
         help="forward+backward timings of each impl, taken in turns; the median is kept",
     )
     ap.add_argument(
+        "--row-width",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="W",
+        help="also time ours with z and v read from one (b, t, W) tensor, as the model's "
+        "in_proj output (4336 at the 434m preset): ours@W",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -206,6 +243,9 @@ def main() -> None:
     edits = {f"ours[{name}]": fields for name, fields in variants}
     for name in edits:
         impls[name] = ours_fn("triton")
+    widths = {f"ours@{w}": w for w in a.row_width}
+    for name in widths:
+        impls[name] = ours_fn("triton")
     if a.doc_len:
         reset = torch.zeros(a.b, a.t, dtype=torch.bool, device="cuda")
         reset[:, a.doc_len // 2 :: a.doc_len] = True  # starts off the chunk grid too
@@ -226,7 +266,7 @@ def main() -> None:
     for r in range(a.rounds):
         for name, fn in impls.items():
             with edited_plan(edits.get(name)):
-                fb[name].append(time_fwd_bwd(fn, x, a.chunk))
+                fb[name].append(time_fwd_bwd(fn, x, a.chunk, widths.get(name, 0)))
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f} ms" for n, v in fb.items()),
               flush=True)  # fmt: skip
     fb = {name: statistics.median(times) for name, times in fb.items()}
@@ -239,7 +279,7 @@ def main() -> None:
     fw = {}
     for name, fn in impls.items():
         with edited_plan(edits.get(name)):
-            fw[name] = time_fwd(fn, x, a.chunk)
+            fw[name] = time_fwd(fn, x, a.chunk, widths.get(name, 0))
         print(f"{name}: fwd {fw[name]:.3f} ms", flush=True)
     head = (f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
             f" {'fwd/off':>8} {'f+b/off':>8}")  # fmt: skip
@@ -256,11 +296,11 @@ def main() -> None:
 
     # After the timings, so that no profiler state touches them.
     if a.kernels is not None:
-        for name in a.kernels or ("ours", *(f"ours[{n}]" for n, _ in variants), "official"):
+        for name in a.kernels or ("ours", *edits, *widths, "official"):
             if name not in impls:
                 continue
             with edited_plan(edits.get(name)):
-                rows = kernel_times(impls[name], x, a.chunk)
+                rows = kernel_times(impls[name], x, a.chunk, row_width=widths.get(name, 0))
             total = sum(ms for _, ms in rows)
             print(f"\nfwd+bwd {name} by kernel (GPU time, {total:.3f} ms in all)")
             for kname, ms in rows:
