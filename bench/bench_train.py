@@ -22,9 +22,11 @@ module (bench/anchor_lm.py), and prints its line and the ratio ours / official. 
 autotuner runs in its first step, which can take minutes: that step is reported apart.
 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
-(``train.compile_scope=model``) and scan launch-plan edits (``bwd_chunk.hpp=2``, the
-fields of bench_scan_gpu.py's --variant), printed as ours[NAME] with its ratio to ours and to the
-anchor: a candidate is timed in the step, beside the official module, in one call.
+(``train.compile_scope=model``), scan launch-plan edits (``bwd_chunk.hpp=2``, the fields of
+bench_scan_gpu.py's --variant) and switches of the code's constants
+(``@model.mixer.Mamba3Mixer.PROJ_ALIGN=1``, ``@kernels.swiglu.BLOCK=2048``), printed as
+ours[NAME] with its ratio to ours and to the anchor: a candidate is timed in the step, beside
+the official module, in one call.
 
 --dry-run runs the same code on CPU with the tiny demo recipe in fp32 without compilation, and
 the anchor on m3run's own mixer in place of the official one (whose kernels need a GPU); when
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from plan_edits import edited_plan, parse_variant
+from plan_edits import edited_plan, parse_switch, parse_variant, switched
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
@@ -375,8 +377,9 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME:KEY=VALUE,...",
-        help="after the anchor, also ours with these config overrides (on top of --set) and "
-        "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2), as ours[NAME] "
+        help="after the anchor, also ours with these config overrides (on top of --set), "
+        "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2) and code switches "
+        "(@MODULE[.CLASS].ATTR=INT, e.g. @model.mixer.Mamba3Mixer.PROJ_ALIGN=1), as ours[NAME] "
         "(repeatable)",
     )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
@@ -387,6 +390,10 @@ def main() -> None:
     if a.warmup < 1:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
     variants = [parse_variant(spec, config_keys=True) for spec in a.variant]
+    for _, sets, _ in variants:  # a misspelt switch fails now, not after the anchor's minutes
+        for item in sets:
+            if item.startswith("@"):
+                parse_switch(item)
     micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
     steps = a.steps or (2 if a.dry_run else 10)
     if not a.dry_run and not torch.cuda.is_available():
@@ -431,13 +438,15 @@ def main() -> None:
         def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum,
                  variant: tuple[str, list[str], dict] | None = None) -> dict:  # fmt: skip
             name, sets, edits = variant or ("", [], {})
+            switches = [s for s in sets if s.startswith("@")]
+            sets = [s for s in sets if not s.startswith("@")]
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
                            resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
-            with edited_plan(edits):
+            with edited_plan(edits), switched(switches):
                 res = bench_one(c, steps, a.warmup, a.profile, peak)
             if name:
                 res["impl"] += f"[{name}]"
-                res["variant"] = {"sets": sets, "plan_edits": edits}
+                res["variant"] = {"sets": sets, "plan_edits": edits, "switches": switches}
             keep(res)
             print(line(res), flush=True)
             if "gpu_time_breakdown" in res:
