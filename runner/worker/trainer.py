@@ -41,6 +41,7 @@ from .ownership import claim_run_dir
 from .preimport import DYNAMO, CompileStack
 from .resume import Resume
 from .telemetry import Pace, Telemetry
+from .update import GuardedUpdate
 
 
 class NaNExcursion(RuntimeError):
@@ -154,6 +155,7 @@ class Trainer:
         marks["model_init"] = time.time()
         self._imported(DYNAMO)
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
+        self.update = GuardedUpdate(self.optimizer, self.device)
         marks["model_built"] = time.time()
         self.loader = train_loader(
             cfg.data.train_path,
@@ -254,13 +256,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         # The logged loss is the mean over every micro-batch of the step, on every rank.
         mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
-        # One host sync per step: the non-finite guard needs both numbers before the update.
-        mean_loss, gnorm = torch.stack([mean.float(), grad_norm.float()]).tolist()
-        if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
-        self.optimizer.step()
+        # The step's one host sync; no update when either number is non-finite.
+        mean_loss, gnorm = self.update(mean, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
+        if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
+            return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
         self.step = step
         self.tokens_seen += self.tokens_per_step
         return {"loss": mean_loss, "grad_norm": gnorm, "lr": lr}

@@ -1,0 +1,83 @@
+"""The optimizer update behind the non-finite guard (runner/worker/update.py), on the host path
+(plain AdamW) and on the kernel's (fused AdamW, on CPU and CUDA, the update skipped inside the
+kernel): a non-finite loss or gradient norm leaves weights, moments and step count bitwise as
+they were, and a finite step updates exactly as a plain ``step()`` does."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runner.worker.update import GuardedUpdate
+
+CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+# (device, fused): the host's guard; the kernel's skip on CPU; the kernel's on CUDA (the
+# trainer's), the host reading the numbers while the update runs.
+CASES = [
+    pytest.param("cpu", False, id="cpu-host"),
+    pytest.param("cpu", True, id="cpu-fused"),
+    pytest.param("cuda", True, id="cuda-fused", marks=CUDA),
+]
+
+
+def _net_and_optimizer(device: str, fused: bool):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    net = net.to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
+    return net, opt
+
+
+def _backward(net, device: str, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(8, 16, device=device)
+    loss = net(x).square().mean()
+    if poison:
+        loss = loss * float("nan")
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    return loss, norm
+
+
+def _snapshot(net, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in net.parameters()]
+    for state in opt.state.values():
+        out += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    return out
+
+
+@pytest.mark.parametrize(("device", "fused"), CASES)
+def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps_as_plain_adamw(device, fused):
+    net, opt = _net_and_optimizer(device, fused)
+    update = GuardedUpdate(opt, torch.device(device))
+    assert update.in_kernel == fused
+    # A first real step, so that the moments and the step count exist and are non-zero.
+    loss, norm = _backward(net, device)
+    got = update(loss, norm)
+    assert got[0] == pytest.approx(loss.item()) and got[1] == pytest.approx(norm.item())
+    opt.zero_grad(set_to_none=True)
+    before = _snapshot(net, opt)
+
+    loss, norm = _backward(net, device, poison=True)
+    got_loss, _ = update(loss, norm)
+    opt.zero_grad(set_to_none=True)
+    assert got_loss != got_loss  # NaN came back to the host
+    after = _snapshot(net, opt)
+    assert len(after) == len(before) and all(map(torch.equal, before, after))
+
+    # A finite step after it: bitwise what a plain step() gives from the same state.
+    plain_net = copy.deepcopy(net)
+    plain_opt = torch.optim.AdamW(plain_net.parameters(), lr=1e-2, fused=fused)
+    plain_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own moments
+    torch.manual_seed(1)
+    loss, norm = _backward(net, device)
+    update(loss, norm)
+    torch.manual_seed(1)
+    _backward(plain_net, device)
+    plain_opt.step()
+    ours, plain = _snapshot(net, opt), _snapshot(plain_net, plain_opt)
+    assert len(ours) == len(plain) and all(map(torch.equal, ours, plain))
