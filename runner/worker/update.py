@@ -6,7 +6,7 @@ With fused AdamW (the trainer's on CUDA) the update is queued first and skipped 
 through the optimizer's ``found_inf`` input (the one a gradient scaler sets: the kernel leaves
 every tensor untouched and the step count is taken back); on CUDA the host reads the two numbers
 while the GPU works through the update. Read before it, they left the GPU idle for the host's
-round trip and the update's launch, 1.0–1.7 ms of every 434m step on an H200
+round trip and the update's launch, 0.8–1.7 ms of every 434m step on an H200
 (docs/benchmarks.md).
 """
 
