@@ -1,8 +1,9 @@
 """The Mamba-3 SISO mixer (Lahoti et al., "Mamba-3", 2026), as DESIGN.md describes it.
 
-One fused input projection, per-token Δ, A and trapezoid λ, data-dependent rotation angles,
-RMS-normed B/C with per-head biases, the SISO scan, the silu(z) gate inside the scan, and the
-output projection. No short convolution: the trapezoid rule's two-token stencil replaces it.
+One input projection (one weight, taken as three products: z, x and the rest; see _in_proj),
+per-token Δ, A and trapezoid λ, data-dependent rotation angles, RMS-normed B/C with per-head
+biases, the SISO scan, the silu(z) gate inside the scan, and the output projection. No short
+convolution: the trapezoid rule's two-token stencil replaces it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ round trip and the update's launch, 0.8–1.7 ms of every 434m step on an H200
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -20,9 +22,9 @@ class GuardedUpdate:
     """``update(loss, grad_norm)`` → the two as floats, the optimizer stepped unless either is
     non-finite. Its one host sync is the step's."""
 
-    # Off: the host reads the two numbers before the update whatever the optimizer (the
-    # benchmark's comparison: bench_train.py --variant NAME:@runner.worker.update.GuardedUpdate
-    # .IN_KERNEL=0).
+    # Off: the host reads the two numbers before the update whatever the optimizer; for the
+    # benchmark's comparison, bench_train.py --variant
+    # NAME:@runner.worker.update.GuardedUpdate.IN_KERNEL=0.
     IN_KERNEL = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
@@ -37,7 +39,7 @@ class GuardedUpdate:
         stats = torch.stack([loss.detach().float(), grad_norm.detach().float()])
         if not self.in_kernel:
             loss_f, norm_f = stats.tolist()
-            if stats.isfinite().all():
+            if math.isfinite(loss_f) and math.isfinite(norm_f):
                 self.optimizer.step()
             return loss_f, norm_f
         # 1.0 when either is non-finite: the kernel then skips the update. 0-dim, as the step
