@@ -24,9 +24,9 @@ autotuner runs in its first step, which can take minutes: that step is reported 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
 (``train.compile_scope=model``), scan launch-plan edits (``bwd_chunk.hpp=2``, the fields of
 bench_scan_gpu.py's --variant) and switches of the code's constants
-(``@model.mixer.Mamba3Mixer.PROJ_ALIGN=1``, ``@kernels.swiglu.BLOCK=2048``), printed as
-ours[NAME] with its ratio to ours and to the anchor: a candidate is timed in the step, beside
-the official module, in one call.
+(``@runner.worker.update.GuardedUpdate.IN_KERNEL=0``, ``@kernels.swiglu.BLOCK=2048``),
+printed as ours[NAME] with its ratio to ours and to the anchor: a candidate is timed in the
+step, beside the official module, in one call.
 
 --dry-run runs the same code on CPU with the tiny demo recipe in fp32 without compilation, and
 the anchor on m3run's own mixer in place of the official one (whose kernels need a GPU); when
@@ -379,7 +379,7 @@ def main() -> None:
         metavar="NAME:KEY=VALUE,...",
         help="after the anchor, also ours with these config overrides (on top of --set), "
         "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2) and code switches "
-        "(@MODULE[.CLASS].ATTR=INT, e.g. @model.mixer.Mamba3Mixer.PROJ_ALIGN=1), as ours[NAME] "
+        "(@MODULE[.CLASS].ATTR=INT, e.g. @kernels.swiglu.BLOCK=2048), as ours[NAME] "
         "(repeatable)",
     )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")

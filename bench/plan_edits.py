@@ -65,7 +65,7 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
     """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits). A KEY whose first
     part names a scan kernel (``bwd_chunk.hpp``) edits the plan; with ``config_keys`` any other
     is a config override (``train.compile_mode``), or, starting with ``@``, a code switch for
-    :func:`switched` (``@model.mixer.Mamba3Mixer.PROJ_ALIGN=1``), else an error."""
+    :func:`switched` (``@kernels.swiglu.BLOCK=2048``), else an error."""
     name, _, body = spec.partition(":")
     sets: list[str] = []
     edits: dict[str, dict] = {}
@@ -85,8 +85,8 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
 
 def parse_switch(item: str) -> tuple[object, str, int]:
     """``@MODULE.ATTR=INT`` or ``@MODULE.CLASS.ATTR=INT`` → (owner, attribute, value): one of the
-    code's module or class constants (``@model.mixer.Mamba3Mixer.PROJ_ALIGN=1``), checked to
-    exist and to hold an int or a bool."""
+    code's module or class constants (``@kernels.swiglu.BLOCK=2048``), checked to exist and
+    to hold an int or a bool."""
     path, _, value = item[1:].partition("=")
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
