@@ -102,8 +102,8 @@ def nbytes(tensors) -> int:
 def differentiable(x, row_width: int = 0):
     """Leaves for autograd and a function giving the call's keyword arguments from them. With
     ``row_width``, z and v are the column ranges [0, E) and [E, 2E) of one (b, t, row_width) leaf
-    (E = h·p), as they are of the model's in_proj output, so the kernels read them with its row
-    stride and their gradients meet in one tensor."""
+    (E = h·p), as they were of in_proj's output when it was one product, so the kernels read them
+    with its row stride and their gradients meet in one tensor."""
     leaves = {key: val.clone().requires_grad_() for key, val in x.items()
               if not (row_width and key in ("v", "z"))}  # fmt: skip
     if not row_width:
@@ -215,8 +215,8 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="W",
-        help="also time ours with z and v read from one (b, t, W) tensor, as the model's "
-        "in_proj output (4336 at the 434m preset): ours@W",
+        help="also time ours with z and v read from one (b, t, W) tensor, as from in_proj's "
+        "output when it was one product (4336 at the 434m preset): ours@W",
     )
     ap.add_argument(
         "--variant",
