@@ -10,7 +10,13 @@ from torch._dynamo.utils import counters
 
 from model import Mamba3LM, ModelConfig
 
-CUDA = torch.cuda.is_available()
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
 
 
 def _grads_after_step(model, step_fn, batches):
@@ -24,18 +30,20 @@ def _grads_after_step(model, step_fn, batches):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("scope", ["model", "blocks"])
-def test_compiled_fused_step_equals_plain_step(scope):
-    """Both compile scopes of train.compile_scope; under "blocks" the layers share one graph."""
+def test_compiled_fused_step_equals_plain_step(scope, device):
+    """Both compile scopes of train.compile_scope; under "blocks" the layers share one graph. On
+    CUDA in bf16 under inductor (the production path), on CPU in fp32."""
     torch.manual_seed(0)
-    device = "cuda" if CUDA else "cpu"
+    cuda = device == "cuda"
     cfg = ModelConfig.preset("tiny", vocab_size=512, d_model=64, d_intermediate=128)
     model = Mamba3LM(cfg).to(device)
     batches = [
         (x[:, :-1], x[:, 1:])
         for x in torch.randint(0, cfg.vocab_size, (2, 4, 129), device=device).unbind(0)
     ]
-    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=CUDA)
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=cuda)
 
     def plain(x, y):
         with amp:
@@ -44,7 +52,7 @@ def test_compiled_fused_step_equals_plain_step(scope):
 
     # inductor on GPU (the production path); on CPU the same graph capture through aot_eager,
     # which keeps the test fast on 2 cores
-    backend = "inductor" if CUDA else "aot_eager"
+    backend = "inductor" if cuda else "aot_eager"
 
     def optimised(x, y):
         with amp:
@@ -61,11 +69,11 @@ def test_compiled_fused_step_equals_plain_step(scope):
     loss_o, grads_o = _grads_after_step(model, optimised, batches)
     if scope == "blocks":  # one graph for every layer (no recompile per layer), one for the loss
         assert cfg.n_layers > 1 and counters["stats"]["unique_graphs"] == 2, counters["stats"]
-    tol = 2e-2 if CUDA else 1e-5
+    tol = 2e-2 if cuda else 1e-5
     assert loss_o == pytest.approx(loss_p, rel=tol)
     for name, g in grads_p.items():
         rel = ((grads_o[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
-        assert rel < (5e-2 if CUDA else 1e-4), f"{name}: relative gradient error {rel:.2e}"
+        assert rel < (5e-2 if cuda else 1e-4), f"{name}: relative gradient error {rel:.2e}"
 
     # one AdamW update from the same gradients: fused (CUDA) or foreach vs the for-loop path
     params = [p.detach().clone() for p in model.parameters()]
@@ -77,7 +85,7 @@ def test_compiled_fused_step_equals_plain_step(scope):
         kw = (
             {"foreach": False}
             if kind == "loop"
-            else ({"fused": True} if CUDA else {"foreach": True})
+            else ({"fused": True} if cuda else {"foreach": True})
         )
         opt = torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, **kw)
         opt.step()
