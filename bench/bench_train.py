@@ -389,11 +389,15 @@ def main() -> None:
         raise SystemExit(f"--steps must be ≥ 1, got {a.steps}")
     if a.warmup < 1:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
-    variants = [parse_variant(spec, config_keys=True) for spec in a.variant]
-    for _, sets, _ in variants:  # a misspelt switch fails now, not after the anchor's minutes
-        for item in sets:
-            if item.startswith("@"):
-                parse_switch(item)
+    # (name, config overrides, plan edits, code switches); a misspelt switch fails now, not
+    # after the anchor's minutes.
+    variants = []
+    for spec in a.variant:
+        name, sets, edits = parse_variant(spec, config_keys=True)
+        switches = [s for s in sets if s.startswith("@")]
+        for item in switches:
+            parse_switch(item)
+        variants.append((name, [s for s in sets if s not in switches], edits, switches))
     micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
     steps = a.steps or (2 if a.dry_run else 10)
     if not a.dry_run and not torch.cuda.is_available():
@@ -436,10 +440,9 @@ def main() -> None:
         scope = "model" if a.compile_scope == "model" else "blocks"
 
         def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum,
-                 variant: tuple[str, list[str], dict] | None = None) -> dict:  # fmt: skip
-            name, sets, edits = variant or ("", [], {})
-            switches = [s for s in sets if s.startswith("@")]
-            sets = [s for s in sets if not s.startswith("@")]
+                 variant: tuple[str, list[str], dict, list[str]] | None = None,
+                 ) -> dict:  # fmt: skip
+            name, sets, edits, switches = variant or ("", [], {}, [])
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
                            resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
             with edited_plan(edits), switched(switches):

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import IGNORE_INDEX
 from kernels.mamba3 import uses_triton_kernels
-
-IGNORE_INDEX = -100
 
 
 class LinearCrossEntropy(torch.autograd.Function):
