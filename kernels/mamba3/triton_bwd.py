@@ -115,7 +115,7 @@ if triton is not None:
             b_eA = tl.exp2(b_A2)
             b_eAL = tl.exp2(b_AL2)
             if HAS_RESET:  # as in the forward: no decay crosses a reset
-                m_in, _m_out, keep, _m_same = segments(seg, o_tc, i_c * BT + BT - 1)
+                m_in, _m_out, keep, _m_same = segments(seg, o_tc)
                 b_eA = tl.where(m_in, b_eA, 0.0)
                 b_eAL = tl.where(keep, b_eAL, 0.0)
 

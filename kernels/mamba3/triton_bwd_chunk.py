@@ -99,7 +99,7 @@ if triton is not None:
         m_low = o_t[:, None] > o_t[None, :]
         keep = tl.full([], 1, tl.int1)
         if HAS_RESET:
-            m_in, m_out, keep, m_same = segments(seg + i_b * NC * BT, o_tc, i_c * BT + BT - 1)
+            m_in, m_out, keep, m_same = segments(seg + i_b * NC * BT, o_tc)
             b_eA = tl.where(m_in, b_eA, 0.0)
             b_eL = tl.where(m_out, b_eL, 0.0)
             m_low = m_low & m_same

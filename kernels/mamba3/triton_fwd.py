@@ -113,7 +113,7 @@ if triton is not None:
             b_eAL = tl.exp2(b_AL2)
             m_low = m_strict
             if HAS_RESET:
-                m_in, m_out, keep, m_same = segments(seg, o_tc, i_c * BT + BT - 1)
+                m_in, m_out, keep, m_same = segments(seg, o_tc)
                 b_eA = tl.where(m_in, b_eA, 0.0)
                 b_eL = tl.where(m_out, b_eL, 0.0)
                 b_eAL = tl.where(keep, b_eAL, 0.0)
