@@ -14,7 +14,11 @@ kernels that take most, and the GPU's idle time with its N largest gaps and the 
 either side of each (where the host, not the GPU, sets the pace), over two profiled steps run
 back to back as in training, so that the wait between steps is counted too. Data comes from a
 small corpus prepared on the spot with the recipe's sequence length, so the data path is the
-real one too.
+real one too. Each result lists its timed steps one by one and the Python collections that
+ran among them; --trace DIR then runs two more steps under torch.profiler with the host's
+threads and operator shapes and writes them as a gzipped Chrome trace, which
+bench/trace_report.py reads (where the GPU waited and what the host did meanwhile; each matmul
+shape's calls, time and TFLOP/s).
 
 --anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
@@ -38,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -113,12 +119,46 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
     return load_config(recipe, [*overrides, *sets])
 
 
+class GcPauses:
+    """Python's garbage collections inside a ``with`` block: how many of each generation and
+    the host time they took (a long one at a step's start leaves the GPU waiting)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        by_gen = {g: [ms for gen, ms in self.pauses if gen == g] for g in (0, 1, 2)}
+        return {f"gen{g}": {"n": len(ms), "ms": round(sum(ms), 2)} for g, ms in by_gen.items()}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) -> dict:
+def bench_one(
+    cfg,
+    steps: int,
+    warmup: int,
+    profile: int,
+    peak: float | None,
+    trace: Path | None = None,
+    label: str = "",
+) -> dict:
     from runner.worker.trainer import Trainer
 
     micro = cfg.train.micro_batch_size
@@ -149,10 +189,17 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
         return out
 
     trainer.loader.next_batch = timed_next
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = trainer.train_step()
-    sync(trainer.device)
+    # Each step ends with the host's read of its loss, so the host's step-to-step times are the
+    # steps' own: a slow one (a Python collection, a late batch) shows apart from the rest.
+    step_ms, gc_pauses = [], GcPauses()
+    with gc_pauses:
+        t0 = t_prev = time.perf_counter()
+        for _ in range(steps):
+            out = trainer.train_step()
+            now = time.perf_counter()
+            step_ms.append((now - t_prev) * 1e3)
+            t_prev = now
+        sync(trainer.device)
     dt = (time.perf_counter() - t0) / steps
     tokens = trainer.tokens_per_step
     tps = tokens / dt
@@ -174,6 +221,8 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
         "first_step_s": first_s,
         "warmup_s": warm_s,
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
+        "step_ms": [round(ms, 2) for ms in step_ms],
+        "gc": gc_pauses.summary(),
         "last_loss": out.get("loss"),
     }
     if profile and cuda:
@@ -199,6 +248,9 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
         result["profiled_step_ms"] = wall_ms
         result["top_kernels"] = [{**r, "ms": round(r["ms"], 3)} for r in rows[:profile]]
         result["gpu_idle"] = idle_gaps(device_spans(p.events()), top=profile)
+    if trace:
+        name = result["impl"] + (f"[{label}]" if label else "")
+        result["trace"] = str(host_trace(trainer, trace, name))
     trainer.close()
     del trainer
     # Compiled graphs and their caches go too: the next model (another micro-batch, the
@@ -208,6 +260,32 @@ def bench_one(cfg, steps: int, warmup: int, profile: int, peak: float | None) ->
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def host_trace(trainer, out_dir: Path, impl: str) -> Path:
+    """Two more steps under torch.profiler with the host's threads, operator shapes and the GPU,
+    as a gzipped Chrome trace in ``out_dir`` (for what the host did while the GPU waited, and
+    each matmul's shape beside its kernel's time). Returns its path."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as prof
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() else "-" for c in impl).strip("-")
+    path = out_dir / f"trace-{name}.json"
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with prof(activities=activities, record_shapes=True) as p:
+        for i in range(PROFILED_STEPS):
+            with record_function(f"train_step {i}"):
+                trainer.train_step()
+        sync(trainer.device)
+    p.export_chrome_trace(str(path))
+    gz = path.with_suffix(".json.gz")
+    with path.open("rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return gz
 
 
 def kernel_rows(averages) -> list[dict]:
@@ -349,6 +427,13 @@ def main() -> None:
         help="profile two steps: GPU time by kind, the N kernels that take most and the N "
         "largest idle gaps (default 20)",
     )
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="after the timings, two steps of each of ours under torch.profiler with the host's "
+        "threads and operator shapes, as DIR/trace-<impl>.json.gz (Chrome trace format)",
+    )
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "pytorch"])
     ap.add_argument("--anchor", action="store_true", help="also the official-module LM")
     ap.add_argument(
@@ -446,12 +531,15 @@ def main() -> None:
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
                            resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
             with edited_plan(edits), switched(switches):
-                res = bench_one(c, steps, a.warmup, a.profile, peak)
+                res = bench_one(c, steps, a.warmup, a.profile, peak, a.trace, name)
             if name:
                 res["impl"] += f"[{name}]"
                 res["variant"] = {"sets": sets, "plan_edits": edits, "switches": switches}
             keep(res)
             print(line(res), flush=True)
+            steps_ms = " ".join(f"{ms:.1f}" for ms in res["step_ms"])
+            print(f"   timed steps (ms): {steps_ms} | Python gc: {json.dumps(res['gc'])}",
+                  flush=True)  # fmt: skip
             if "gpu_time_breakdown" in res:
                 print("   GPU time:", json.dumps(res["gpu_time_breakdown"]))
                 print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time a step in a profiled "
