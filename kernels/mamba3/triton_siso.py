@@ -22,7 +22,7 @@ from .triton_fwd import siso_fwd
 def segment_ids(reset: Tensor, chunk: int) -> Tensor:
     """The kernels' view of ``reset`` (b, t) bool: per token, the count of resets in its chunk
     of ``chunk`` tokens up to and including it, (b, nc·chunk) int32, zero-padded to whole chunks.
-    A kernel reads its masks from these with two loads (triton_common.segments)."""
+    A kernel reads a chunk's masks from one load of these (triton_common.segments)."""
     b, t = reset.shape
     nc = -(-t // chunk)
     padded = torch.zeros(b, nc * chunk, dtype=torch.int32, device=reset.device)
