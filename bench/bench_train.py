@@ -41,12 +41,14 @@ ours. It checks the script, not speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +147,69 @@ class GcPauses:
         return {f"gen{g}": {"n": len(ms), "ms": round(sum(ms), 2)} for g, ms in by_gen.items()}
 
 
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-event reasons through NVML, sampled by a thread
+    every ``interval_s`` inside a ``with`` block, read per span of host time (a timed step): is a
+    slow step the code's or the clocks'? Without NVML (no nvidia-ml-py, no driver) it records
+    nothing and says so."""
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.025):
+        self.samples: list[tuple[float, int, float, int]] = []  # (t, MHz, W, reasons)
+        self.error: str | None = None
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        except Exception as e:  # no library, no driver: the benchmark runs on without clocks
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _run(self) -> None:
+        nv, h = self._nvml, self._handle
+        while not self._stop.wait(self._interval):
+            self.samples.append((
+                time.perf_counter(),
+                nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                nv.nvmlDeviceGetCurrentClocksEventReasons(h),
+            ))  # fmt: skip
+
+    def __enter__(self) -> ClockSampler:
+        if self.error is None:
+            self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def span(self, t0: float, t1: float) -> dict | None:
+        """Mean SM clock (MHz) and power (W) of the samples in [t0, t1), and the share of them
+        under each clock-event reason seen."""
+        from runner.health.nvml import THROTTLE_REASONS
+
+        inside = [x for x in self.samples if t0 <= x[0] < t1]
+        if not inside:
+            return None
+        n = len(inside)
+        reasons = {
+            name: round(sum(1 for x in inside if x[3] & bit) / n, 2)
+            for name, bit in THROTTLE_REASONS.items()
+            if any(x[3] & bit for x in inside)
+        }
+        return {
+            "sm_mhz": round(sum(x[1] for x in inside) / n),
+            "power_w": round(sum(x[2] for x in inside) / n),
+            "reasons": reasons,
+        }
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -191,13 +256,15 @@ def bench_one(
     trainer.loader.next_batch = timed_next
     # Each step ends with the host's read of its loss, so the host's step-to-step times are the
     # steps' own: a slow one (a Python collection, a late batch) shows apart from the rest.
-    step_ms, gc_pauses = [], GcPauses()
-    with gc_pauses:
+    step_ms, gc_pauses, bounds = [], GcPauses(), []
+    clocks = ClockSampler(trainer.device.index or 0) if cuda else None
+    with gc_pauses, clocks or contextlib.nullcontext():
         t0 = t_prev = time.perf_counter()
         for _ in range(steps):
             out = trainer.train_step()
             now = time.perf_counter()
             step_ms.append((now - t_prev) * 1e3)
+            bounds.append((t_prev, now))
             t_prev = now
         sync(trainer.device)
     dt = (time.perf_counter() - t0) / steps
@@ -223,6 +290,8 @@ def bench_one(
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
         "step_ms": [round(ms, 2) for ms in step_ms],
         "gc": gc_pauses.summary(),
+        "step_clocks": [clocks.span(*b) for b in bounds] if clocks and not clocks.error else None,
+        "clock_error": clocks.error if clocks else None,
         "last_loss": out.get("loss"),
     }
     if profile and cuda:
@@ -540,6 +609,15 @@ def main() -> None:
             steps_ms = " ".join(f"{ms:.1f}" for ms in res["step_ms"])
             print(f"   timed steps (ms): {steps_ms} | Python gc: {json.dumps(res['gc'])}",
                   flush=True)  # fmt: skip
+            if res.get("step_clocks"):
+                per_step = " ".join(
+                    f"{c['sm_mhz']} MHz/{c['power_w']} W" if c else "-" for c in res["step_clocks"]
+                )
+                seen = sorted({r for c in res["step_clocks"] if c for r in c["reasons"]})
+                print(f"   SM clock/power by step: {per_step} | clock-event reasons seen: "
+                      f"{', '.join(seen) or 'none'}", flush=True)  # fmt: skip
+            elif res.get("clock_error"):
+                print(f"   no GPU clocks: {res['clock_error']}", flush=True)
             if "gpu_time_breakdown" in res:
                 print("   GPU time:", json.dumps(res["gpu_time_breakdown"]))
                 print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time a step in a profiled "
