@@ -14,7 +14,7 @@ import argparse
 import time
 
 import torch
-from bench_train import kernel_rows
+from step_probes import kernel_rows
 from torch.profiler import ProfilerActivity, profile
 
 from model.layers import SwiGLU

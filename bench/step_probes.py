@@ -1,0 +1,225 @@
+"""The instruments bench_train.py measures a training step with: the bf16 matmul peak (MFU's
+denominator), the profiler's kernels by kind and the GPU's idle gaps, Python's collections, the
+GPU's clocks and power through NVML, and the host trace that trace_report.py reads. None of them
+changes what the step computes."""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+# --profile takes this many steps back to back, so the wait between steps is in its span.
+PROFILED_STEPS = 2
+
+
+def matmul_peak_flops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """Measured dense bf16 matmul throughput (FLOP/s): the MFU denominator."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+CATEGORIES = [
+    ("scan", ("mamba3", "siso", "_chunk", "_state", "triton_siso")),
+    ("loss", ("logsumexp", "cross_entropy", "ce_grad", "scatter", "gather", "log_softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_adamw")),
+    ("matmul", ("gemm", "sm90", "cutlass", "nvjet", "matmul", "mm_", "cublas")),
+    (
+        "norms/elementwise",
+        ("norm", "elementwise", "vectorized", "triton_", "reduce", "silu", "swiglu"),
+    ),
+]
+
+
+def categorise(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+class GcPauses:
+    """Python's garbage collections inside a ``with`` block: how many of each generation and
+    the host time they took (a long one at a step's start leaves the GPU waiting)."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        by_gen = {g: [ms for gen, ms in self.pauses if gen == g] for g in (0, 1, 2)}
+        return {f"gen{g}": {"n": len(ms), "ms": round(sum(ms), 2)} for g, ms in by_gen.items()}
+
+
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-event reasons through NVML, sampled by a thread
+    every ``interval_s`` inside a ``with`` block, read per span of host time (a timed step): is a
+    slow step the code's or the clocks'? Without NVML (no nvidia-ml-py, no driver) it records
+    nothing and says so."""
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.025):
+        self.samples: list[tuple[float, int, float, int]] = []  # (t, MHz, W, reasons)
+        self.error: str | None = None
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        except Exception as e:  # no library, no driver: the benchmark runs on without clocks
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _run(self) -> None:
+        nv, h = self._nvml, self._handle
+        while not self._stop.wait(self._interval):
+            self.samples.append((
+                time.perf_counter(),
+                nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                nv.nvmlDeviceGetCurrentClocksEventReasons(h),
+            ))  # fmt: skip
+
+    def __enter__(self) -> ClockSampler:
+        if self.error is None:
+            self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def span(self, t0: float, t1: float) -> dict | None:
+        """Mean SM clock (MHz) and power (W) of the samples in [t0, t1), and the share of them
+        under each clock-event reason seen."""
+        from runner.health.nvml import THROTTLE_REASONS
+
+        inside = [x for x in self.samples if t0 <= x[0] < t1]
+        if not inside:
+            return None
+        n = len(inside)
+        reasons = {
+            name: round(sum(1 for x in inside if x[3] & bit) / n, 2)
+            for name, bit in THROTTLE_REASONS.items()
+            if any(x[3] & bit for x in inside)
+        }
+        return {
+            "sm_mhz": round(sum(x[1] for x in inside) / n),
+            "power_w": round(sum(x[2] for x in inside) / n),
+            "reasons": reasons,
+        }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_trace(trainer, out_dir: Path, impl: str) -> Path:
+    """Two more steps under torch.profiler with the host's threads, operator shapes and the GPU,
+    as a gzipped Chrome trace in ``out_dir`` (for what the host did while the GPU waited, and
+    each matmul's shape beside its kernel's time). Returns its path."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as prof
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() else "-" for c in impl).strip("-")
+    path = out_dir / f"trace-{name}.json"
+    activities = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with prof(activities=activities, record_shapes=True) as p:
+        for i in range(PROFILED_STEPS):
+            with record_function(f"train_step {i}"):
+                trainer.train_step()
+        sync(trainer.device)
+    p.export_chrome_trace(str(path))
+    gz = path.with_suffix(".json.gz")
+    with path.open("rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return gz
+
+
+def kernel_rows(averages) -> list[dict]:
+    """Every kernel of one profiled step with GPU time, most first: name (cut to 120
+    characters), kind, ms, launches."""
+    rows = []
+    for evt in averages:
+        us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": evt.key[:120], "kind": categorise(evt.key),
+                         "ms": us / 1e3, "calls": evt.count})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def device_spans(events) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every GPU activity (kernels, copies) of a profile."""
+    from torch.autograd import DeviceType
+
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in events
+             if e.device_type == DeviceType.CUDA]  # fmt: skip
+    return [span for span in spans if span[1] > span[0]]
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int, floor_us: float = 20.0) -> dict:
+    """Where the GPU waits in one step: the span from its first activity to its last, the time
+    some activity runs (overlaps counted once), the idle rest, the gaps of ``floor_us`` or more
+    and the ``top`` largest with the activities that end before and start after each."""
+    if not spans:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0,
+                "largest": []}  # fmt: skip
+    spans = sorted(spans)
+    busy, gaps = 0.0, []
+    start, end, last = spans[0]
+    for s, e, name in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start, end, last = s, e, name
+        elif e > end:
+            end, last = e, name
+    busy += end - start
+    span = max(e for _, e, _ in spans) - spans[0][0]
+    big = sorted((g for g in gaps if g[0] >= floor_us), key=lambda g: -g[0])
+    return {
+        "span_ms": round(span / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "idle_ms": round((span - busy) / 1e3, 3),
+        "gaps": len(big),
+        "gaps_ms": round(sum(g[0] for g in big) / 1e3, 3),
+        "largest": [
+            {"us": round(us, 1), "after": a[:80], "before": b[:80]} for us, a, b in big[:top]
+        ],
+    }
