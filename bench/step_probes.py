@@ -81,8 +81,9 @@ class GcPauses:
 class ClockSampler:
     """The GPU's SM clock, power draw and clock-event reasons through NVML, sampled by a thread
     every ``interval_s`` inside a ``with`` block, read per span of host time (a timed step): is a
-    slow step the code's or the clocks'? Without NVML (no nvidia-ml-py, no driver) it records
-    nothing and says so."""
+    slow step the code's or the clocks'? ``device_index`` is NVML's, the same GPU as CUDA's
+    index unless CUDA_VISIBLE_DEVICES reorders them. Without NVML (no nvidia-ml-py, no driver)
+    it records nothing and says so in ``error``."""
 
     def __init__(self, device_index: int = 0, interval_s: float = 0.025):
         self.samples: list[tuple[float, int, float, int]] = []  # (t, MHz, W, reasons)

@@ -310,8 +310,8 @@ if triton is not None:
         last one), whether the entering state survives the chunk (no reset in it) and which
         pairs of tokens share a segment. Masks, never −inf: a decay across a reset is zeroed,
         not underflowed. The ids only grow along a chunk (the padding repeats the last), so the
-        last token's is their maximum: a reduction in registers, where a load of it sat on the
-        forward's serial path every chunk."""
+        last token's is their maximum, taken from the ids already loaded (no second load on the
+        forward's serial path each chunk)."""
         b_seg = tl.load(seg + o_tc)
         b_last = tl.max(b_seg, axis=0)
         return b_seg == 0, b_seg == b_last, b_last == 0, b_seg[:, None] == b_seg[None, :]
