@@ -103,12 +103,16 @@ class ClockSampler:
     def _run(self) -> None:
         nv, h = self._nvml, self._handle
         while not self._stop.wait(self._interval):
-            self.samples.append((
-                time.perf_counter(),
-                nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                nv.nvmlDeviceGetCurrentClocksEventReasons(h),
-            ))  # fmt: skip
+            try:
+                self.samples.append((
+                    time.perf_counter(),
+                    nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                    nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                    nv.nvmlDeviceGetCurrentClocksEventReasons(h),
+                ))  # fmt: skip
+            except Exception as e:  # a query this GPU or driver lacks: no more samples
+                self.error = f"{type(e).__name__}: {e}"
+                return
 
     def __enter__(self) -> ClockSampler:
         if self.error is None:
@@ -120,6 +124,8 @@ class ClockSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if hasattr(self, "_nvml"):
+            self._nvml.nvmlShutdown()
 
     def span(self, t0: float, t1: float) -> dict | None:
         """Mean SM clock (MHz) and power (W) of the samples in [t0, t1), and the share of them

@@ -5,7 +5,7 @@
 1. Per profiled step: the host's time, the GPU's span, its kernel time and idle time, and the
    idle split into gaps of at least ``--floor-us`` and the many small ones between kernels.
 2. The largest gaps, each with the kernel after it, how long after the previous kernel ended the
-   host launched that kernel (when it is about the gap, the host set the pace), and the
+   host launched that kernel (close to the gap's length: the host set the pace), and the
    operators the host's main thread ran meanwhile; other threads' operators in that window too.
 3. Every matmul shape (aten::mm and aten::addmm as the host called them) with its calls per
    step, the GPU time of its kernels (split-K reductions and memsets included) and the TFLOP/s
