@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from step_probes import sync, timed_steps
 from torch import Tensor, nn
 
 from model import ModelConfig
@@ -183,11 +184,6 @@ class AnchorLM(nn.Module):
         return linear_cross_entropy(h, self.embedding.weight[: self.config.vocab_size], targets)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.device,
                  steps: int, warmup: int, peak: float | None,
                  impl: str = "official") -> dict:  # fmt: skip
@@ -237,19 +233,16 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         first_loss = train_step()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(max(0, warmup - 1)):
             train_step()
-        _sync(device)
+        sync(device)
         warm_s = time.perf_counter() - t0
         waited[0] = 0.0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            last_loss = train_step()
-        _sync(device)
-        dt = (time.perf_counter() - t0) / steps
+        timed = timed_steps(train_step, steps, device)
+        last_loss, dt = timed.pop("last"), timed["step_s"]
     finally:
         loader.close()
     tokens = t.micro_batch_size * accum * cfg.data.seq_len
@@ -271,5 +264,6 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
         "first_loss": first_loss,
         "last_loss": last_loss,
+        **{k: v for k, v in timed.items() if k != "step_s"},
     }
     return result

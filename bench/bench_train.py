@@ -41,7 +41,6 @@ ours. It checks the script, not speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -53,14 +52,14 @@ import torch
 from plan_edits import edited_plan, parse_switch, parse_variant, switched
 from step_probes import (
     PROFILED_STEPS,
-    ClockSampler,
-    GcPauses,
     device_spans,
     host_trace,
     idle_gaps,
     kernel_rows,
     matmul_peak_flops,
     sync,
+    timed_steps,
+    timing_lines,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,19 +132,9 @@ def bench_one(
 
     trainer.loader.next_batch = timed_next
     # Each step ends with the host's read of its loss, so the host's step-to-step times are the
-    # steps' own: a slow one (a Python collection, a late batch) shows apart from the rest.
-    step_ms, gc_pauses, bounds = [], GcPauses(), []
-    clocks = ClockSampler(trainer.device.index or 0) if cuda else None
-    with gc_pauses, clocks or contextlib.nullcontext():
-        t0 = t_prev = time.perf_counter()
-        for _ in range(steps):
-            out = trainer.train_step()
-            now = time.perf_counter()
-            step_ms.append((now - t_prev) * 1e3)
-            bounds.append((t_prev, now))
-            t_prev = now
-        sync(trainer.device)
-    dt = (time.perf_counter() - t0) / steps
+    # steps' own: a slow one (a Python collection, a late batch, a lower clock) shows apart.
+    timed = timed_steps(trainer.train_step, steps, trainer.device)
+    out, dt = timed.pop("last"), timed["step_s"]
     tokens = trainer.tokens_per_step
     tps = tokens / dt
     result = {
@@ -166,10 +155,7 @@ def bench_one(
         "first_step_s": first_s,
         "warmup_s": warm_s,
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
-        "step_ms": [round(ms, 2) for ms in step_ms],
-        "gc": gc_pauses.summary(),
-        "step_clocks": [clocks.span(*b) for b in bounds] if clocks and clocks.samples else None,
-        "clock_error": clocks.error if clocks else None,
+        **{k: v for k, v in timed.items() if k != "step_s"},
         "last_loss": out.get("loss"),
     }
     if profile and cuda:
@@ -405,18 +391,8 @@ def main() -> None:
                 res["variant"] = {"sets": sets, "plan_edits": edits, "switches": switches}
             keep(res)
             print(line(res), flush=True)
-            steps_ms = " ".join(f"{ms:.1f}" for ms in res["step_ms"])
-            print(f"   timed steps (ms): {steps_ms} | Python gc: {json.dumps(res['gc'])}",
-                  flush=True)  # fmt: skip
-            if res.get("step_clocks"):
-                per_step = " ".join(
-                    f"{c['sm_mhz']} MHz/{c['power_w']} W" if c else "-" for c in res["step_clocks"]
-                )
-                seen = sorted({r for c in res["step_clocks"] if c for r in c["reasons"]})
-                print(f"   SM clock/power by step: {per_step} | clock-event reasons seen: "
-                      f"{', '.join(seen) or 'none'}", flush=True)  # fmt: skip
-            if res.get("clock_error"):
-                print(f"   GPU clocks not (all) read: {res['clock_error']}", flush=True)
+            for text in timing_lines(res):
+                print(f"   {text}", flush=True)
             if "gpu_time_breakdown" in res:
                 print("   GPU time:", json.dumps(res["gpu_time_breakdown"]))
                 print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time a step in a profiled "
@@ -445,6 +421,8 @@ def main() -> None:
             o = run_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)
             keep(o)
             print(line(o), flush=True)
+            for text in timing_lines(o):
+                print(f"   {text}", flush=True)
             mem = (
                 f", peak memory {r['peak_mem_gib'] / o['peak_mem_gib']:.2f}×"
                 if r["peak_mem_gib"] and o["peak_mem_gib"]

@@ -5,11 +5,14 @@ changes what the step computes."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
+import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -151,6 +154,49 @@ class ClockSampler:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_steps(step: Callable[[], object], n: int, device: torch.device) -> dict:
+    """``step()`` n times back to back, timed: the mean step (s) over the whole run, synced at
+    its end; each step's host time (ms; a step that ends in a host read of its loss is timed
+    whole); the Python collections among them; and on CUDA the SM clock, power and clock-event
+    reasons of each step (``step_clocks``, None without samples; ``clock_error`` says why)."""
+    step_ms, bounds, pauses = [], [], GcPauses()
+    clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
+    with pauses, clocks or contextlib.nullcontext():
+        t0 = t_prev = time.perf_counter()
+        for _ in range(n):
+            last = step()
+            now = time.perf_counter()
+            step_ms.append((now - t_prev) * 1e3)
+            bounds.append((t_prev, now))
+            t_prev = now
+        sync(device)
+        total = time.perf_counter() - t0
+    return {
+        "step_s": total / n,
+        "step_ms": [round(ms, 2) for ms in step_ms],
+        "gc": pauses.summary(),
+        "step_clocks": [clocks.span(*b) for b in bounds] if clocks and clocks.samples else None,
+        "clock_error": clocks.error if clocks else None,
+        "last": last,
+    }
+
+
+def timing_lines(result: dict) -> list[str]:
+    """The per-step lines of a result holding :func:`timed_steps`' fields."""
+    steps = " ".join(f"{ms:.1f}" for ms in result["step_ms"])
+    out = [f"timed steps (ms): {steps} | Python gc: {json.dumps(result['gc'])}"]
+    if result.get("step_clocks"):
+        per_step = " ".join(
+            f"{c['sm_mhz']} MHz/{c['power_w']} W" if c else "-" for c in result["step_clocks"]
+        )
+        seen = sorted({r for c in result["step_clocks"] if c for r in c["reasons"]})
+        out.append(f"SM clock/power by step: {per_step} | clock-event reasons seen: "
+                   f"{', '.join(seen) or 'none'}")  # fmt: skip
+    if result.get("clock_error"):
+        out.append(f"GPU clocks not (all) read: {result['clock_error']}")
+    return out
 
 
 def host_trace(trainer, out_dir: Path, impl: str) -> Path:
