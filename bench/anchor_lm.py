@@ -242,7 +242,7 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
         warm_s = time.perf_counter() - t0
         waited[0] = 0.0
         timed = timed_steps(train_step, steps, device)
-        last_loss, dt = timed.pop("last"), timed["step_s"]
+        last_loss, dt = timed.pop("last"), timed.pop("step_s")
     finally:
         loader.close()
     tokens = t.micro_batch_size * accum * cfg.data.seq_len
@@ -264,6 +264,6 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
         "first_loss": first_loss,
         "last_loss": last_loss,
-        **{k: v for k, v in timed.items() if k != "step_s"},
+        **timed,
     }
     return result

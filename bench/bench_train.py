@@ -134,7 +134,7 @@ def bench_one(
     # Each step ends with the host's read of its loss, so the host's step-to-step times are the
     # steps' own: a slow one (a Python collection, a late batch, a lower clock) shows apart.
     timed = timed_steps(trainer.train_step, steps, trainer.device)
-    out, dt = timed.pop("last"), timed["step_s"]
+    out, dt = timed.pop("last"), timed.pop("step_s")
     tokens = trainer.tokens_per_step
     tps = tokens / dt
     result = {
@@ -155,7 +155,7 @@ def bench_one(
         "first_step_s": first_s,
         "warmup_s": warm_s,
         "data_wait_ms_per_step": waited[0] / steps * 1e3,
-        **{k: v for k, v in timed.items() if k != "step_s"},
+        **timed,
         "last_loss": out.get("loss"),
     }
     if profile and cuda:

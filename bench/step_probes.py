@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import gzip
 import json
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -208,7 +206,7 @@ def host_trace(trainer, out_dir: Path, impl: str) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "".join(c if c.isalnum() else "-" for c in impl).strip("-")
-    path = out_dir / f"trace-{name}.json"
+    path = out_dir / f"trace-{name}.json.gz"
     activities = [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -217,12 +215,8 @@ def host_trace(trainer, out_dir: Path, impl: str) -> Path:
             with record_function(f"train_step {i}"):
                 trainer.train_step()
         sync(trainer.device)
-    p.export_chrome_trace(str(path))
-    gz = path.with_suffix(".json.gz")
-    with path.open("rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
-    path.unlink()
-    return gz
+    p.export_chrome_trace(str(path))  # gzipped by the profiler, for the suffix
+    return path
 
 
 def kernel_rows(averages) -> list[dict]:
@@ -246,6 +240,22 @@ def device_spans(events) -> list[tuple[float, float, str]]:
     return [span for span in spans if span[1] > span[0]]
 
 
+def gap_walk(intervals: list[tuple[float, float]]) -> tuple[float, float, list]:
+    """For (start, end) intervals sorted by start: the time some interval covers (overlaps
+    counted once), the span from the first start to the last end, and every gap as (length,
+    index of the interval that ended last before it, index of the first one after it)."""
+    busy, gaps = 0.0, []
+    (start, end), i_end = intervals[0], 0
+    for i, (s, e) in enumerate(intervals[1:], 1):
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, i_end, i))
+            start, end, i_end = s, e, i
+        elif e > end:
+            end, i_end = e, i
+    return busy + end - start, end - intervals[0][0], gaps
+
+
 def idle_gaps(spans: list[tuple[float, float, str]], top: int, floor_us: float = 20.0) -> dict:
     """Where the GPU waits in one step: the span from its first activity to its last, the time
     some activity runs (overlaps counted once), the idle rest, the gaps of ``floor_us`` or more
@@ -254,17 +264,8 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int, floor_us: float =
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0,
                 "largest": []}  # fmt: skip
     spans = sorted(spans)
-    busy, gaps = 0.0, []
-    start, end, last = spans[0]
-    for s, e, name in spans[1:]:
-        if s > end:
-            busy += end - start
-            gaps.append((s - end, last, name))
-            start, end, last = s, e, name
-        elif e > end:
-            end, last = e, name
-    busy += end - start
-    span = max(e for _, e, _ in spans) - spans[0][0]
+    busy, span, walk = gap_walk([(s, e) for s, e, _ in spans])
+    gaps = [(us, spans[a][2], spans[b][2]) for us, a, b in walk]
     big = sorted((g for g in gaps if g[0] >= floor_us), key=lambda g: -g[0])
     return {
         "span_ms": round(span / 1e3, 3),

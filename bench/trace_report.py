@@ -24,6 +24,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from step_probes import gap_walk
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2)}  # op → positions of its two matrices
@@ -71,16 +73,12 @@ class Trace:
         return [k for k in self.gpu if (t := self.launched_at(k)) is not None and t0 <= t <= t1]
 
 
-def idle_gaps(kernels: list[dict]) -> tuple[float, float, list[tuple[float, float, dict]]]:
+def kernel_gaps(kernels: list[dict]) -> tuple[float, float, list[tuple[float, float, dict]]]:
     """(kernel time, span, gaps) of kernels in start order; a gap is (µs, where it began, the
     kernel after it). Overlapping kernels count once towards the span, in full towards time."""
-    busy, end, gaps = 0.0, kernels[0]["ts"], []
-    for k in kernels:
-        if k["ts"] > end:
-            gaps.append((k["ts"] - end, end, k))
-        busy += k["dur"]
-        end = max(end, k["ts"] + k["dur"])
-    return busy, end - kernels[0]["ts"], gaps
+    _, span, walk = gap_walk([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    ends = [(us, kernels[a]["ts"] + kernels[a]["dur"], kernels[b]) for us, a, b in walk]
+    return sum(k["dur"] for k in kernels), span, ends
 
 
 def report_steps(tr: Trace, n_gaps: int, floor_us: float) -> None:
@@ -89,7 +87,7 @@ def report_steps(tr: Trace, n_gaps: int, floor_us: float) -> None:
         kernels = tr.step_kernels(step)
         if not kernels:
             continue
-        busy, span, gaps = idle_gaps(kernels)
+        busy, span, gaps = kernel_gaps(kernels)
         idle = sum(g for g, _, _ in gaps)
         large = [x for x in gaps if x[0] >= floor_us]
         print(
