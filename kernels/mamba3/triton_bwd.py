@@ -75,7 +75,7 @@ if triton is not None:
         q, adt, dt, trap, q_bias, angles, phi_in, z, dy, dg_t, seg, dg_out, dg0,
         T, NC, H, HPG, P, N, S, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
-        HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
+        BR: tl.constexpr, HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
     ):  # fmt: skip
         """Rows i_v·BV.. of dG for one (batch, head), chunks in reverse. See the module
         docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` is (b·h, nc, BP, BN) in the
@@ -95,7 +95,7 @@ if triton is not None:
         trap += o_s
         seg += i_b * NC * BT
         o_t = tl.arange(0, BT)
-        o_m = tl.arange(0, BN2)
+        o_m = tl.arange(0, BR)
         o_n = tl.arange(0, 2 * BN2)
         b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
         DT = dg_out.dtype.element_ty
@@ -123,10 +123,10 @@ if triton is not None:
             o_gc = (i_bh * NC + i_c) * BP * 2 * BN2
             store_dense(dg_out + o_gc, v0, b_dG, BV, 2 * BN2)
 
-            b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BN2 + o_m)
-            b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+            b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BR + o_m)
+            b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
             b_qc = rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2), b_qb, b_cos, b_sin,
-                                DT, BT, BN2)  # fmt: skip
+                                DT, BT, BN2, BR)  # fmt: skip
             b_do, _ = gate(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
             b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
@@ -136,7 +136,7 @@ if triton is not None:
     def siso_bwd_angle_kernel(
         dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
         T, NC, H, S, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BN2: tl.constexpr, BNC: tl.constexpr,
+        BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of one (batch, head): the reverse cumsum of dΦ (chunk-local, plus the chunk
         totals ``dphi_c`` of the later chunks and the final angle's gradient) to the angle
@@ -147,7 +147,7 @@ if triton is not None:
         i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
         o_t = tl.arange(0, BT)
-        o_m = tl.arange(0, BN2)
+        o_m = tl.arange(0, BR)
         o_j = tl.arange(0, BNC)
         o_tc = i_c * BT + o_t
         m_t = o_tc < T
@@ -156,10 +156,10 @@ if triton is not None:
 
         # Σ over the later chunks, in blocks of BNC chunk totals: one pass, no subtraction.
         b_after = tl.load(dphi_t + i_bh * S + o_m, mask=m_s, other=0.0)
-        p_c = dphi_c + i_bh * NC * BN2
+        p_c = dphi_c + i_bh * NC * BR
         for j0 in range(i_c + 1, NC, BNC):
             o_jc = j0 + o_j
-            b_c = tl.load(p_c + o_jc[:, None] * BN2 + o_m[None, :], mask=(o_jc < NC)[:, None],
+            b_c = tl.load(p_c + o_jc[:, None] * BR + o_m[None, :], mask=(o_jc < NC)[:, None],
                           other=0.0)  # fmt: skip
             b_after += tl.sum(b_c, axis=0)
 
@@ -196,7 +196,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     s = angles.shape[3]
     hpg = h // g
     tiles = Tiles.of(p, n, chunk_size)
-    BT, BP, BN2 = tiles.BT, tiles.BP, tiles.BN2
+    BT, BP, BN2, BR = tiles.BT, tiles.BP, tiles.BN2, tiles.rot_pairs(s)
     nc = triton.cdiv(t, BT)
     dev = v.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -213,8 +213,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     args = (q, adt, dt, trap, q_bias, angles, phi_in, zz, dy,
             dg_t if dg_t is not None else dg0, seg_, dg_out, dg0,
             t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
-    flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, HAS_Z=z is not None, HAS_DGT=dg_t is not None,
-                 HAS_RESET=seg is not None)  # fmt: skip
+    flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, BR=BR, HAS_Z=z is not None,
+                 HAS_DGT=dg_t is not None, HAS_RESET=seg is not None)  # fmt: skip
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
     # 2. Every chunk's gradients: a program takes a (chunk, batch, head), or under the plan's
@@ -234,7 +234,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dqb = torch.empty(b, nc, h, n, **f32)
     dkb = torch.empty(b, nc, h, n, **f32)
     dangles = torch.empty(b, t, h, s, **f32)
-    dphi_c = torch.empty(b * h, nc, BN2, **f32)
+    dphi_c = torch.empty(b * h, nc, BR, **f32)
     args = (
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles, d if d is not None else q_bias,
         phi_in, g_in, dg_out, dy, seg_,
@@ -243,7 +243,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     )  # fmt: skip
     cpp = cfgs["bwd_chunk"].cpp
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
-    flags = dict(BT=BT, BP=BP, BN2=BN2, HPP=hpp, CPP=cpp, HAS_D=d is not None,
+    flags = dict(BT=BT, BP=BP, BN2=BN2, BR=BR, HPP=hpp, CPP=cpp, HAS_D=d is not None,
                  HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
                  WG=bool(cfgs["bwd_chunk"].wg))  # fmt: skip
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
@@ -257,7 +257,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dphi0 = torch.empty(b, h, s, **f32)
     args = (dt, trap, angles, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc, h, s,
             *a_strides)  # fmt: skip
-    flags = dict(BT=BT, BN2=BN2, BNC=min(64, triton.next_power_of_2(nc)))
+    flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)))
     launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * h), args, flags, cfgs["bwd_angle"])
     dq_bias, dk_bias, dd_h = param_sums(dqb, dkb, dd if d is not None else None)
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd_h, dphi0,

@@ -16,6 +16,7 @@ from .triton_common import (
     chunk_scalars,
     decay_weights,
     dot_t,
+    halves,
     interpreting,
     load_dense,
     load_tile,
@@ -27,6 +28,7 @@ from .triton_common import (
     tl,
     to_dot,
     triton,
+    unhalves,
 )
 
 if triton is not None:
@@ -50,22 +52,32 @@ if triton is not None:
 
     @triton.jit
     def rotated_tile(p_x, b_bias, b_cos, b_sin, DT: tl.constexpr, BT: tl.constexpr,
-                     BN2: tl.constexpr):  # fmt: skip
-        """R(Φ)(x + bias) of a loaded (BT × 2·BN2) tile, as a dot operand of dtype DT: the same
-        operations, in the same order, as the forward's rotation, so the same values; pinned, so
-        every use of the tile (the score and state dots, the angle gradient) sees one value."""
+                     BN2: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+        """R(Φ)(x + bias) of a loaded (BT × 2·BN2) tile, its first BR pairs turned, as a dot
+        operand of dtype DT: the same operations, in the same order, as the forward's rotation,
+        so the same values; pinned, so every use of the tile (the score and state dots, the
+        angle gradient) sees one value."""
         b_x = load_tile(p_x).to(tl.float32) + b_bias[None, :]
-        return to_dot(pin(rotate(b_x, b_cos, b_sin, BT, BN2)), DT)
+        return to_dot(pin(rotate(b_x, b_cos, b_sin, BT, BN2, BR)), DT)
 
     @triton.jit
-    def _rotate_back(b_g, b_r, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr):
-        """For the gradient ``b_g`` (fp32) of a rotated tile ā = ``b_r`` (dot dtype), in natural
-        column order: the even and odd columns of Rᵀ b_g and the angle gradient per pair,
-        ā_E g_O − ā_O g_E."""
-        b_gE, b_gO = tl.split(tl.reshape(b_g, (BT, BN2, 2)))
-        b_rE, b_rO = tl.split(tl.reshape(b_r.to(tl.float32), (BT, BN2, 2)))
-        return (b_gE * b_cos + b_gO * b_sin, b_gO * b_cos - b_gE * b_sin,
-                b_rE * b_gO - b_rO * b_gE)  # fmt: skip
+    def _rotate_back(b_g, b_r, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr,
+                     BR: tl.constexpr):  # fmt: skip
+        """For the gradient ``b_g`` (fp32, BT × 2·BN2) of a rotated tile ā = ``b_r`` (dot
+        dtype), in natural column order: Rᵀ b_g (the first BR pairs turned back, the rest as
+        they are) and the angle gradient of each of those pairs, ā_E g_O − ā_O g_E."""
+        if BR == BN2:
+            b_g1, b_r1 = b_g, b_r.to(tl.float32)
+        else:
+            b_g1, b_g2 = halves(b_g, BT, BN2)
+            b_r1 = halves(b_r.to(tl.float32), BT, BN2)[0]
+        b_gE, b_gO = tl.split(tl.reshape(b_g1, (BT, BR, 2)))
+        b_rE, b_rO = tl.split(tl.reshape(b_r1, (BT, BR, 2)))
+        b_d = tl.join(b_gE * b_cos + b_gO * b_sin, b_gO * b_cos - b_gE * b_sin)
+        b_d = tl.reshape(b_d, (BT, 2 * BR))
+        if BR != BN2:
+            b_d = unhalves(b_d, b_g2, BT, BN2)
+        return b_d, b_rE * b_gO - b_rO * b_gE
 
     @triton.jit
     def gate(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
@@ -109,21 +121,22 @@ if triton is not None:
     @triton.jit
     def _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc, m_t, i_c, i_b, i_h, T,
                     NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as, DT: tl.constexpr, BT: tl.constexpr,
-                    BN2: tl.constexpr):  # fmt: skip
-        """cos Φ, sin Φ of one chunk of one head, and its q̄, k̄ (dot dtype DT)."""
+                    BN2: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+        """cos Φ, sin Φ (of the BR rotated pairs) of one chunk of one head, and its q̄, k̄ (dot
+        dtype DT)."""
         G = H // HPG
-        o_m = tl.arange(0, BN2)
+        o_m = tl.arange(0, BR)
         o_n = tl.arange(0, 2 * BN2)
         o_qk = (i_b * T * G + i_h // HPG) * N
         p_q = tile_ptr(q + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
         p_k = tile_ptr(k + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
-        b_phi0 = tl.load(phi_in + ((i_b * H + i_h) * NC + i_c) * BN2 + o_m)
+        b_phi0 = tl.load(phi_in + ((i_b * H + i_h) * NC + i_c) * BR + o_m)
         p_a = angles + i_b * s_ab + i_h * s_ah
-        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
         b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2)
+        b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2, BR)
         b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
-        b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2)
+        b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2, BR)
         return b_cos, b_sin, b_qc, b_kc
 
     @triton.jit
@@ -147,19 +160,20 @@ if triton is not None:
 
     @triton.jit
     def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, p_bias, T, N, row_stride, r0,
-                          BT: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr):  # fmt: skip
+                          BT: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+                          HPP: tl.constexpr):  # fmt: skip
         """The gradient ``b_dr`` (fp32) of the rotated tile ā = ``b_r`` rotated back: stored
         (HPP = 1) as the tile at row r0 of ``out`` (T × N, rows ``row_stride`` apart; its
         pointers formed here, at the store, not held before) or added to ``acc``, and its column
-        sums (the bias partial) stored at ``p_bias``. Returns ``acc`` and the per-pair angle
-        gradient."""
-        o_m = tl.arange(0, BN2)
-        b_daE, b_daO, b_dphi = _rotate_back(b_dr, b_r, b_cos, b_sin, BT, BN2)
-        b_da = tl.reshape(tl.join(b_daE, b_daO), (BT, 2 * BN2))
+        sums (the bias partial) stored at ``p_bias``. Returns ``acc`` and the angle gradient of
+        the BR rotated pairs."""
+        b_da, b_dphi = _rotate_back(b_dr, b_r, b_cos, b_sin, BT, BN2, BR)
         if HPP == 1:
             store_tile(tile_ptr(out, T, N, row_stride, r0, BT, 2 * BN2), b_da)
         else:
             acc += b_da
+        o_m = tl.arange(0, BN2)
+        b_daE, b_daO = tl.split(tl.reshape(b_da, (BT, BN2, 2)))
         tl.store(p_bias + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
         tl.store(p_bias + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
         return acc, b_dphi
@@ -179,16 +193,16 @@ if triton is not None:
 
     @triton.jit
     def _angle_grads(b_dphiq, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S,
-                     BN2: tl.constexpr):  # fmt: skip
+                     BR: tl.constexpr):  # fmt: skip
         """dΦ per token (its q and k terms summed) of the chunk's tokens ``o_tc`` (masked by
         ``m_t``) of head i_h of batch i_b, stored in ``dphi`` ((b, t, h, S)), and its chunk sum
-        in ``dphi_c``."""
-        o_m = tl.arange(0, BN2)
+        in ``dphi_c`` ((b·h, nc, BR))."""
+        o_m = tl.arange(0, BR)
         m_a = m_t[:, None] & (o_m < S)[None, :]
         p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
         b_dphi = tl.where(m_a, b_dphiq + b_dphik, 0.0)
         tl.store(p_d, b_dphi, mask=m_a)
-        tl.store(dphi_c + ((i_b * H + i_h) * NC + i_c) * BN2 + o_m, tl.sum(b_dphi, axis=0))
+        tl.store(dphi_c + ((i_b * H + i_h) * NC + i_c) * BR + o_m, tl.sum(b_dphi, axis=0))
 
     @triton.jit
     def _decay_grads(b_dA, b_dw, b_xu, b_GG, b_AL2, keep, b_eL, b_ew, p_dadt, p_dw, m_t,
@@ -212,7 +226,8 @@ if triton is not None:
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+        HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, WG: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of head i_h of batch i_b: every gradient written, but with HPP > 1 dq and
@@ -229,7 +244,7 @@ if triton is not None:
         DT = v.dtype.element_ty
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
-                                               s_at, s_ah, s_as, DT, BT, BN2)  # fmt: skip
+                                               s_at, s_ah, s_as, DT, BT, BN2, BR)  # fmt: skip
         b_do, b_gz = gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
                           HAS_Z)  # fmt: skip
         if HAS_Z:
@@ -258,7 +273,7 @@ if triton is not None:
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
-            BN2, HPP,
+            BN2, BR, HPP,
         )  # fmt: skip
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
@@ -273,10 +288,10 @@ if triton is not None:
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
-            BN2, HPP,
+            BN2, BR, HPP,
         )  # fmt: skip
 
-        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BN2)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR)
         # <dG_out, G_in> for ∂/∂A_L: both states are read again here (cache hits) rather than
         # held.
         b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
@@ -291,7 +306,8 @@ if triton is not None:
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+        HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
     ):  # fmt: skip
         """:func:`_chunk_head` with p in blocks of BV columns (the plan's ``bv``), in three
@@ -310,7 +326,7 @@ if triton is not None:
         DT = v.dtype.element_ty
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
-                                               s_at, s_ah, s_as, DT, BT, BN2)  # fmt: skip
+                                               s_at, s_ah, s_as, DT, BT, BN2, BR)  # fmt: skip
 
         # Pass 1: dM = do xᵀ, over the blocks of p.
         b_dM = tl.zeros([BT, BT], dtype=tl.float32)
@@ -347,7 +363,7 @@ if triton is not None:
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * b_doG
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
-            BN2, HPP,
+            BN2, BR, HPP,
         )  # fmt: skip
 
         # Pass 3: the leaving state's gradient dG_out, block by block: dx = Mᵀ do +
@@ -374,9 +390,9 @@ if triton is not None:
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * b_xdG
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
-            BN2, HPP,
+            BN2, BR, HPP,
         )  # fmt: skip
-        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BN2)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR)
         _decay_grads(b_dA, b_dw, b_xu, tl.sum(b_GG, axis=0), b_AL2, keep, b_eL,
                      b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
         return acc_q, acc_k
@@ -386,7 +402,8 @@ if triton is not None:
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+        HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
         WG: tl.constexpr,
     ):  # fmt: skip
@@ -396,14 +413,14 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, WG,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, WG,
             )  # fmt: skip
         else:
             acc_q, acc_k = _chunk_head_pb(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
             )  # fmt: skip
         return acc_q, acc_k
 
@@ -412,7 +429,8 @@ if triton is not None:
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c, i_b, i_blk,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+        HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
         WG: tl.constexpr,
     ):  # fmt: skip
@@ -423,7 +441,7 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, 0.0, 0.0, i_c,
                 i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
             NB = H // HPP
@@ -434,7 +452,7 @@ if triton is not None:
                     q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, b_dq,
                     b_dk, i_c, i_b, i_blk * HPP + j, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh,
-                    s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z,
+                    s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z,
                     HAS_RESET, BV, WG,
                 )  # fmt: skip
             o_out = (i_b * T * NB + i_blk) * N
@@ -447,7 +465,8 @@ if triton is not None:
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
         T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, HPP: tl.constexpr,
+        BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
+        HPP: tl.constexpr,
         CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
         BV: tl.constexpr, WG: tl.constexpr,
     ):  # fmt: skip
@@ -465,7 +484,7 @@ if triton is not None:
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_cb, i_b,
                 i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at,
-                s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
             for i_c in range(i_cb * CPP, tl.minimum(NC, i_cb * CPP + CPP)):
@@ -473,5 +492,5 @@ if triton is not None:
                     q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c,
                     i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
-                    s_at, s_ah, s_as, BT, BP, BN2, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                    s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
                 )  # fmt: skip

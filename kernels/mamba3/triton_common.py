@@ -84,6 +84,13 @@ class Tiles:
     def BN(self) -> int:
         return 2 * self.BN2
 
+    def rot_pairs(self, s: int) -> int:
+        """BR, the pairs of the state the kernels rotate: the first half of them (BN2 / 2) when
+        the S angles fit there, else all BN2. Φ is 0 past the S angles, so the pairs past BR
+        never turn: rotating them would only multiply by cos 0 and sin 0 (at S = 16 of n = 64,
+        half the rotation's work, registers and MUFU calls)."""
+        return self.BN2 // 2 if next_pow2(max(s, 1)) <= self.BN2 // 2 else self.BN2
+
 
 # --- launch configurations -------------------------------------------------------------------
 
@@ -317,11 +324,11 @@ if triton is not None:
         return b_seg == 0, b_seg == b_last, b_last == 0, b_seg[:, None] == b_seg[None, :]
 
     @triton.jit
-    def chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2: tl.constexpr):
-        """cos Φ, sin Φ for the tokens ``o_tc`` (BT × BN2; Φ = 0 past the S angles): the chunk's
+    def chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR: tl.constexpr):
+        """cos Φ, sin Φ for the tokens ``o_tc`` (BT × BR; Φ = 0 past the S angles): the chunk's
         entering angle plus the chunk-local cumsum of Δ·π·tanh(θ̃); and the chunk's angle sum.
         ``angles`` points at the (batch, head) row."""
-        o_m = tl.arange(0, BN2)
+        o_m = tl.arange(0, BR)
         m_a = m_t[:, None] & (o_m < S)[None, :]
         b_th = tl.load(angles + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0)
         b_dphi = b_dt[:, None] * PI * tanh(b_th)
@@ -329,12 +336,32 @@ if triton is not None:
         return b_cos, b_sin, tl.sum(b_dphi, axis=0)
 
     @triton.jit
-    def rotate(b_a, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr):
-        """R(Φ)a for a (BT × 2·BN2) fp32 tile in natural column order (pairs adjacent): split
-        into even and odd columns in registers, rotated, joined back."""
-        b_e, b_o = tl.split(tl.reshape(b_a, (BT, BN2, 2)))
+    def halves(x, BT: tl.constexpr, B: tl.constexpr):
+        """The first and the last B columns of a (BT × 2·B) tile, in registers."""
+        return tl.split(tl.permute(tl.reshape(x, (BT, 2, B)), (0, 2, 1)))
+
+    @triton.jit
+    def unhalves(a, b, BT: tl.constexpr, B: tl.constexpr):
+        """The (BT × 2·B) tile whose first and last B columns are ``a`` and ``b``."""
+        return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BT, 2 * B))
+
+    @triton.jit
+    def _rotate_pairs(b_a, b_cos, b_sin, BT: tl.constexpr, BR: tl.constexpr):
+        b_e, b_o = tl.split(tl.reshape(b_a, (BT, BR, 2)))
         b_r = tl.join(b_e * b_cos - b_o * b_sin, b_e * b_sin + b_o * b_cos)
-        return tl.reshape(b_r, (BT, 2 * BN2))
+        return tl.reshape(b_r, (BT, 2 * BR))
+
+    @triton.jit
+    def rotate(b_a, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr):
+        """R(Φ)a for a (BT × 2·BN2) fp32 tile in natural column order (pairs adjacent), with
+        cos Φ, sin Φ (BT × BR) of its first BR pairs (:meth:`Tiles.rot_pairs`): those columns
+        split into even and odd in registers, rotated, joined back; the rest as they are."""
+        if BR == BN2:
+            b_r = _rotate_pairs(b_a, b_cos, b_sin, BT, BR)
+        else:
+            b_1, b_2 = halves(b_a, BT, BN2)
+            b_r = unhalves(_rotate_pairs(b_1, b_cos, b_sin, BT, BR), b_2, BT, BN2)
+        return b_r
 
 
 # --- launching ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .triton_common import (
     chunk_scalars,
     decay_weights,
     launch,
+    rotate,
     segments,
     sigmoid,
     tl,
@@ -36,9 +37,10 @@ from .triton_common import (
 if triton is not None:
 
     @triton.jit
-    def _rotated(x, o_tc, m_t, row_stride, N, b_bias, b_cos, b_sin, BN2: tl.constexpr):
+    def _rotated(x, o_tc, m_t, row_stride, N, b_bias, b_cos, b_sin, BN2: tl.constexpr,
+                 BR: tl.constexpr):  # fmt: skip
         """R(Φ)(x + bias) for rows ``o_tc``, fp32, columns in natural order (pairs adjacent):
-        rows are read whole (vectorised), split into even and odd columns, rotated, joined."""
+        rows are read whole (vectorised), their first BR pairs rotated (:func:`rotate`)."""
         o_n = tl.arange(0, 2 * BN2)
         b_x = tl.load(
             x + o_tc[:, None] * row_stride + o_n[None, :],
@@ -46,9 +48,7 @@ if triton is not None:
             other=0.0,
         )
         b_x = b_x.to(tl.float32) + b_bias[None, :]
-        b_e, b_o = tl.split(tl.reshape(b_x, (o_tc.shape[0], BN2, 2)))
-        b_r = tl.join(b_e * b_cos - b_o * b_sin, b_e * b_sin + b_o * b_cos)
-        return tl.reshape(b_r, (o_tc.shape[0], 2 * BN2))
+        return rotate(b_x, b_cos, b_sin, o_tc.shape[0], BN2, BR)
 
     # T and NC vary with every batch shape: not worth a compile each.
     @triton.jit(do_not_specialize=["T", "NC"])
@@ -58,7 +58,8 @@ if triton is not None:
         T, NC, H, HPG, P, N, S,
         s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, SAVE: tl.constexpr,
+        BR: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr,
+        SAVE: tl.constexpr,
         HAS_RESET: tl.constexpr, WG: tl.constexpr,
     ):  # fmt: skip
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -79,7 +80,7 @@ if triton is not None:
 
         o_t = tl.arange(0, BT)
         o_v = i_v * BV + tl.arange(0, BV)
-        o_m = tl.arange(0, BN2)
+        o_m = tl.arange(0, BR)  # the rotated pairs (Φ = 0 past the S angles)
         o_n = tl.arange(0, 2 * BN2)
         m_v = o_v < P
         m_s = o_m < S
@@ -99,7 +100,7 @@ if triton is not None:
             b_phi0 = tl.load(phi0 + i_bh * S + o_m, mask=m_s, other=0.0)
         else:
             b_G = tl.zeros([BV, 2 * BN2], dtype=tl.float32)
-            b_phi0 = tl.zeros([BN2], dtype=tl.float32)
+            b_phi0 = tl.zeros([BR], dtype=tl.float32)
 
         for i_c in range(NC):
             o_tc = i_c * BT + o_t
@@ -120,15 +121,15 @@ if triton is not None:
                 m_low = m_strict & m_same
 
             # Φ = carried offset + chunk-local cumsum of Δ·π·tanh(θ̃).
-            b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BN2)
+            b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
             if SAVE:  # noqa: SIM102 (SAVE is a compile-time flag, i_v a run-time value)
                 if i_v == 0:
-                    tl.store(phi_in + (i_bh.to(tl.int64) * NC + i_c) * BN2 + o_m, b_phi0)
+                    tl.store(phi_in + (i_bh.to(tl.int64) * NC + i_c) * BR + o_m, b_phi0)
             b_phi0 += b_dsum
             b_phi0 = b_phi0 - TWO_PI * tl.floor(b_phi0 / TWO_PI)
 
-            b_q = _rotated(q, o_tc, m_t, G * N, N, b_qb, b_cos, b_sin, BN2)
-            b_k = _rotated(k, o_tc, m_t, G * N, N, b_kb, b_cos, b_sin, BN2)
+            b_q = _rotated(q, o_tc, m_t, G * N, N, b_qb, b_cos, b_sin, BN2, BR)
+            b_k = _rotated(k, o_tc, m_t, G * N, N, b_kb, b_cos, b_sin, BN2, BR)
             m_x = m_t[:, None] & m_v[None, :]
             b_x = tl.load(v + o_tc[:, None] * s_vt + o_v[None, :], mask=m_x, other=0.0)
             DT = b_x.dtype
@@ -175,12 +176,12 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
     """Launch the forward (``seg``: the resets as triton_siso.segment_ids gives them, or None).
     Returns y, the final angle Φ_T and state G_T (fp32), and for the backward (``save``) the
     state entering every chunk (b·h, nc, BP, BN) in v's dtype and the angle entering every
-    chunk (b·h, nc, BN2) fp32."""
+    chunk (b·h, nc, BR) fp32 (BR: :meth:`Tiles.rot_pairs`)."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
     tiles = Tiles.of(p, n, chunk_size)
-    BT, BP, BN2 = tiles.BT, tiles.BP, tiles.BN2
+    BT, BP, BN2, BR = tiles.BT, tiles.BP, tiles.BN2, tiles.rot_pairs(s)
     BV = min(cfg.bv or BP, BP)
     nc = triton.cdiv(t, BT)
     dev = v.device
@@ -189,7 +190,7 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
     g_t = torch.empty(b, h, p, n, dtype=torch.float32, device=dev)
     if save:
         g_in = torch.empty(b * h, nc, BP, 2 * BN2, dtype=v.dtype, device=dev)
-        phi_in = torch.empty(b * h, nc, BN2, dtype=torch.float32, device=dev)
+        phi_in = torch.empty(b * h, nc, BR, dtype=torch.float32, device=dev)
     else:
         g_in = phi_in = y  # never touched
     zz = z if z is not None else v
@@ -202,7 +203,7 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
         v.stride(0), v.stride(1), v.stride(2), zz.stride(0), zz.stride(1), zz.stride(2),
         angles.stride(0), angles.stride(1), angles.stride(2), angles.stride(3),
     )  # fmt: skip
-    flags = dict(BT=BT, BP=BP, BV=BV, BN2=BN2, HAS_D=d is not None, HAS_Z=z is not None,
+    flags = dict(BT=BT, BP=BP, BV=BV, BN2=BN2, BR=BR, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_H0=g0 is not None, SAVE=save, HAS_RESET=seg is not None,
                  WG=bool(cfg.wg))  # fmt: skip
     launch("fwd", siso_fwd_kernel, (triton.cdiv(BP, BV), b * h), args, flags, cfg)

@@ -65,7 +65,7 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk
     if not save:
         return y, phi_t, g_t, v.new_empty(0), phi_t.new_empty(0)
     return (y, phi_t, g_t, v.new_empty(b * h, nc, tiles.BP, tiles.BN),
-            torch.empty(b * h, nc, tiles.BN2, **f32))  # fmt: skip
+            torch.empty(b * h, nc, tiles.rot_pairs(s), **f32))  # fmt: skip
 
 
 @torch.library.custom_op("m3run::siso_bwd", mutates_args=())
