@@ -1,6 +1,7 @@
 """The Mamba-3 SISO mixer (Lahoti et al., "Mamba-3", 2026), as DESIGN.md describes it.
 
-One input projection (one weight, taken as three products: z, x and the rest; see _in_proj),
+One input projection (one weight, taken as two products: z and x together, and the rest; see
+_in_proj),
 per-token Δ, A and trapezoid λ, data-dependent rotation angles, RMS-normed B/C with per-head
 biases, the SISO scan, the silu(z) gate inside the scan, and the output projection. No short
 convolution: the trapezoid rule's two-token stencil replaces it.
@@ -68,19 +69,23 @@ class Mamba3Mixer(nn.Module):
         self.C_norm_weight.fill_(1.0)
 
     def _in_proj(self, u: Tensor) -> tuple[Tensor, ...]:
-        """in_proj's outputs [z, x, B, C, Δ̃, Ã, λ̃, θ̃] as three products of row blocks of its
-        weight (z; x; the rest): the backward takes dz and dx as the scan gives them, where the
-        split of one product concatenated them into one (b, t, 4,336) gradient first (6 ms of
-        a 435 ms 434m step on an H200, docs/benchmarks.md). z and x come out contiguous."""
+        """in_proj's outputs [zx, B, C, Δ̃, Ã, λ̃, θ̃] as two products of row blocks of its
+        weight: z and x in one (b, t, 2E), which the scan takes packed and whose gradient it
+        returns packed, so the backward's two products for it are one each with K or M = 2E;
+        and the rest (the split of one product would concatenate the scan's gradient with the
+        rest's into one (b, t, 4,336) gradient first: 6 ms of a 435 ms 434m step on an H200,
+        docs/benchmarks.md)."""
         w, E = self.in_proj.weight, self.d_inner
         rest = F.linear(u, w[2 * E :]).split(self.split_sizes[2:], dim=-1)
-        return (F.linear(u, w[:E]), F.linear(u, w[E : 2 * E]), *rest)
+        return (F.linear(u, w[: 2 * E]), *rest)
 
     def _project(self, u: Tensor):
-        """in_proj and the per-token parameters. Returns the scan's inputs, token-major."""
+        """in_proj and the per-token parameters. Returns the scan's inputs, token-major: z and
+        x packed as ``zv`` (b, t, 2, h, p) and, as views of it, ``z`` and ``v``."""
         b, t, _ = u.shape
         H, P, N, G = self.nheads, self.headdim, self.d_state, self.ngroups
-        z, x, B, C, dd_dt, dd_A, trap, angles = self._in_proj(u)
+        zx, B, C, dd_dt, dd_A, trap, angles = self._in_proj(u)
+        zv = zx.view(b, t, 2, H, P)
         # Δ and A in fp32: they enter exp() and a cumulative sum.
         dt = F.softplus(_f32(dd_dt) + self.dt_bias)  # (b, t, h)
         A = torch.clamp(-F.softplus(_f32(dd_A)), max=-self.cfg.A_floor)
@@ -91,8 +96,9 @@ class Mamba3Mixer(nn.Module):
         return dict(
             q=C.to(u.dtype),
             k=B.to(u.dtype),
-            v=x.reshape(b, t, H, P),
-            z=z.reshape(b, t, H, P),
+            zv=zv,
+            v=zv[:, :, 1],
+            z=zv[:, :, 0],
             adt=adt,
             dt=dt,
             trap=_f32(trap),
@@ -109,9 +115,9 @@ class Mamba3Mixer(nn.Module):
         b, t, _ = u.shape
         p = self._project(u)
         out = mamba3_siso(
-            p["q"], p["k"], p["v"],
+            p["q"], p["k"], None,
             p["adt"].transpose(1, 2), p["dt"].transpose(1, 2), p["trap"].transpose(1, 2),
-            self.C_bias, self.B_bias, p["angles"], self.D, p["z"],
+            self.C_bias, self.B_bias, p["angles"], self.D, None, zv=p["zv"],
             chunk_size=self.cfg.chunk_size,
             initial_state=initial_state,
             return_final_state=return_final_state,

@@ -177,7 +177,7 @@ def _prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, initial_state
 def mamba3_siso(
     q: Tensor,
     k: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     adt: Tensor,
     dt: Tensor,
     trap: Tensor,
@@ -192,6 +192,7 @@ def mamba3_siso(
     return_final_state: bool = False,
     reset: Tensor | None = None,
     backend: Backend = "auto",
+    zv: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, State]:
     """Mamba-3 SISO scan (exponential-trapezoidal, complex-valued via data-dependent RoPE).
 
@@ -211,12 +212,28 @@ def mamba3_siso(
         backend: "pytorch" (chunked reference), "triton" (CUDA; raises BackendUnavailableError
             where it cannot run and ValueError beyond its tile caps), or "auto" (triton on CUDA
             when the shapes fit its caps, else pytorch; the choice is logged once).
+        zv: (b, t, 2, h, p), optional, given instead of ``v`` and ``z`` (both None): z and v
+            packed in one tensor, z first, as one input projection forms them. Under the Triton
+            backend their gradient comes back as one (b, t, 2, h, p) tensor, so the projection's
+            backward takes it without concatenating two.
 
     Returns ``y`` (b, t, h, p) in v's dtype; with ``return_final_state`` also the final state
     (same 4-tuple, in the compute dtype; after a reset the ssm state is the last document's),
     so scanning [:t1] then [t1:] with the carried state equals scanning the whole. Computes in
     float64 for float64 ``v``, else accumulates in fp32.
     """
+    if zv is not None:
+        _check(
+            v is None and z is None,
+            "pass z and v either packed (zv) or apart (v, z), not both: got zv with "
+            f"{'v' if v is not None else 'z'} as well",
+        )
+        _check(isinstance(zv, Tensor), f"zv must be a torch.Tensor, got {type(zv).__name__}")
+        _check(
+            zv.dim() == 5 and zv.shape[2] == 2,
+            f"zv must be (b, t, 2, h, p): z and v packed, got {_shape(zv)}",
+        )
+        v, z = zv[:, :, 1], zv[:, :, 0]
     _, _, _, h, _, n, _ = validate(
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size, initial_state, reset
     )
@@ -230,6 +247,8 @@ def mamba3_siso(
 
             # reset only when given: a scan without resets calls the kernel exactly as before.
             extra = {} if reset is None else {"reset": reset}
+            if zv is not None:
+                v, z, extra["zv"] = None, None, zv
             return mamba3_siso_triton(
                 q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
                 chunk_size=chunk_size, initial_state=initial_state,

@@ -187,10 +187,12 @@ if triton is not None:
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-             dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig]):  # fmt: skip
+             dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig],
+             dzv=None):  # fmt: skip
     """Launch the kernels. Returns the gradients of every input of the forward kernel:
     dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles,
-    dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n)."""
+    dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). With ``dzv`` (b, t, 2, h, p), z and v packed in
+    one tensor (z first), dz and dv are written into its halves, and returned as those views."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
@@ -227,8 +229,11 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     hpp = max(j for j in range(1, want + 1) if hpg % j == 0)
     dq = torch.empty(b, t, h // hpp, n, dtype=v.dtype, device=dev)
     dk = torch.empty(b, t, h // hpp, n, dtype=v.dtype, device=dev)
-    dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
-    dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
+    if dzv is not None:
+        dz, dv = dzv[:, :, 0], dzv[:, :, 1]
+    else:
+        dv = torch.empty(b, t, h, p, dtype=v.dtype, device=dev)
+        dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
     dd = torch.empty(b, nc, h, **f32)
     dqb = torch.empty(b, nc, h, n, **f32)
@@ -239,7 +244,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles, d if d is not None else q_bias,
         phi_in, g_in, dg_out, dy, seg_,
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
-        t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides, *a_strides,
+        t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides,
+        dv.stride(0), dv.stride(1), *a_strides,
     )  # fmt: skip
     cpp = cfgs["bwd_chunk"].cpp
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1

@@ -182,9 +182,10 @@ if triton is not None:
     def _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT: tl.constexpr, BP: tl.constexpr,
                  BN2: tl.constexpr):  # fmt: skip
         """Where chunk i_c of head i_h of batch i_b lies: its token positions and their mask, its
-        first row, and the offsets of its (batch, head) row of the per-token scalars, of dy, do,
-        dv, dz ((b, t, h, p) contiguous), of dq, dk with HPP = 1 ((b, t, h, n)), of its bias
-        partials and of its states."""
+        first row, and the offsets of its (batch, head) row of the per-token scalars, of dy
+        ((b, t, h, p) contiguous; dv and dz, which may be the halves of one tensor, take their
+        strides s_ob, s_ot), of dq, dk with HPP = 1 ((b, t, h, n)), of its bias partials and of
+        its states."""
         i_bh = i_b * H + i_h
         o_tc = i_c * BT + tl.arange(0, BT)
         return (o_tc, o_tc < T, i_c * BT, i_bh * T, (i_b * T * H + i_h) * P,
@@ -225,7 +226,8 @@ if triton is not None:
     def _chunk_head(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
-        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah,
+        s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, WG: tl.constexpr,
@@ -269,7 +271,7 @@ if triton is not None:
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-            store_tile(tile_ptr(dz + o_p, T, P, H * P, r0, BT, BP), b_gz * b_o)
+            store_tile(tile_ptr(dz + i_b * s_ob + i_h * P, T, P, s_ot, r0, BT, BP), b_gz * b_o)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
@@ -284,7 +286,7 @@ if triton is not None:
         b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
         if HAS_D:
             b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-        store_tile(tile_ptr(dv + o_p, T, P, H * P, r0, BT, BP), b_dx)
+        store_tile(tile_ptr(dv + i_b * s_ob + i_h * P, T, P, s_ot, r0, BT, BP), b_dx)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
@@ -305,7 +307,8 @@ if triton is not None:
     def _chunk_head_pb(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
-        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah,
+        s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
@@ -320,6 +323,7 @@ if triton is not None:
                                                              BP, BN2)  # fmt: skip
         p_v = v + i_b * s_vb + i_h * s_vh
         p_z = z + i_b * s_zb + i_h * s_zh
+        o_o = i_b * s_ob + i_h * P  # dv, dz
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
             adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
         )
@@ -358,7 +362,7 @@ if triton is not None:
                 b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
                 if HAS_D:
                     b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-                store_tile(tile_ptr(dz + o_p + v0, T, P - v0, H * P, r0, BT, BV), b_gz * b_o)
+                store_tile(tile_ptr(dz + o_o + v0, T, P - v0, s_ot, r0, BT, BV), b_gz * b_o)
             b_doG += tl.dot(b_doc, b_Gc)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * b_doG
         acc_q, b_dphi = _rotated_back_out(
@@ -383,7 +387,7 @@ if triton is not None:
             b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
             if HAS_D:
                 b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-            store_tile(tile_ptr(dv + o_p + v0, T, P - v0, H * P, r0, BT, BV), b_dx)
+            store_tile(tile_ptr(dv + o_o + v0, T, P - v0, s_ot, r0, BT, BV), b_dx)
             b_xdG += tl.dot(b_x, b_dGc)
             b_GG += tl.sum(load_dense(g_in + o_gc, v0, BV, 2 * BN2).to(tl.float32)
                            * b_dGc.to(tl.float32), axis=1)  # fmt: skip
@@ -401,7 +405,8 @@ if triton is not None:
     def _head(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k, i_c, i_b, i_h,
-        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah,
+        s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
@@ -412,14 +417,16 @@ if triton is not None:
             acc_q, acc_k = _chunk_head(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
-                i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
+                s_ot, s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, WG,
             )  # fmt: skip
         else:
             acc_q, acc_k = _chunk_head_pb(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
-                i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
+                s_ot, s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
             )  # fmt: skip
         return acc_q, acc_k
@@ -428,7 +435,8 @@ if triton is not None:
     def _chunk_block(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c, i_b, i_blk,
-        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah,
+        s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
@@ -440,7 +448,8 @@ if triton is not None:
             _head(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, 0.0, 0.0, i_c,
-                i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
+                s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
@@ -452,7 +461,8 @@ if triton is not None:
                     q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, b_dq,
                     b_dk, i_c, i_b, i_blk * HPP + j, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh,
-                    s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z,
+                    s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah, s_as, BT, BP, BN2, BR, HPP,
+                    HAS_D, HAS_Z,
                     HAS_RESET, BV, WG,
                 )  # fmt: skip
             o_out = (i_b * T * NB + i_blk) * N
@@ -464,7 +474,8 @@ if triton is not None:
     def siso_bwd_chunk_kernel(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy, seg,
         dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
-        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
+        T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah,
+        s_as,
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
@@ -483,7 +494,8 @@ if triton is not None:
             _chunk_block(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_cb, i_b,
-                i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab, s_at,
+                i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
+                s_ab, s_at,
                 s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
             )  # fmt: skip
         else:
@@ -491,6 +503,7 @@ if triton is not None:
                 _chunk_block(
                     q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out,
                     dy, seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_c,
-                    i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ab,
+                    i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
+                    s_ot, s_ab,
                     s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
                 )  # fmt: skip

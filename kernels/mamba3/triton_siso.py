@@ -37,12 +37,20 @@ def segment_ids(reset: Tensor, chunk: int) -> Tensor:
 # 0.54 ms slower per layer that way) and no functionalisation copy is made around them.
 
 
+def _unpack(v: Tensor, z: Tensor | None, packed: bool) -> tuple[Tensor, Tensor | None]:
+    """v and z of the operators' arguments: with ``packed``, ``v`` holds both, (b, t, 2, h, p),
+    z first (its gradient comes back packed the same way)."""
+    return (v[:, :, 1], v[:, :, 0]) if packed else (v, z)
+
+
 @torch.library.custom_op("m3run::siso_fwd", mutates_args=())
 def siso_fwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, dt: Tensor,
                 trap: Tensor, q_bias: Tensor, k_bias: Tensor, angles: Tensor, d: Tensor | None,
                 phi0: Tensor | None, g0: Tensor | None, seg: Tensor | None, chunk_size: int,
-                save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                save: bool,
+                packed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """y, Φ_T, G_T and (``save``; else empty) the per-chunk entering state and angle."""
+    v, z = _unpack(v, z, packed)
     plan = plan_for(v.device, v.shape[3], q.shape[3], chunk_size, v.dtype)
     y, phi_t, g_t, g_in, phi_in = siso_fwd(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, plan.chunk,
@@ -54,7 +62,9 @@ def siso_fwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
 
 
 @siso_fwd_op.register_fake
-def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size, save):
+def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size, save,
+      packed):  # fmt: skip
+    v, z = _unpack(v, z, packed)
     b, t, h, p = v.shape
     n, s = q.shape[3], angles.shape[3]
     tiles = Tiles.of(p, n, plan_for(v.device, p, n, chunk_size, v.dtype).chunk)
@@ -72,25 +82,33 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk
 def siso_bwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, dt: Tensor,
                 trap: Tensor, q_bias: Tensor, k_bias: Tensor, angles: Tensor, d: Tensor | None,
                 seg: Tensor | None, g_in: Tensor, phi_in: Tensor, dy: Tensor,
-                dg_t: Tensor | None, dphi_t: Tensor, chunk_size: int) -> list[Tensor]:  # fmt: skip
-    """The gradient of every input of :func:`siso_fwd_op` (dz, dd empty without z, d)."""
+                dg_t: Tensor | None, dphi_t: Tensor, chunk_size: int,
+                packed: bool) -> list[Tensor]:  # fmt: skip
+    """The gradient of every input of :func:`siso_fwd_op` (dz, dd empty without z, d; with
+    ``packed``, the packed gradient of z and v in dv's place and dz empty)."""
+    dzv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if packed else None
+    v, z = _unpack(v, z, packed)
     plan = plan_for(v.device, v.shape[3], q.shape[3], chunk_size, v.dtype)
-    grads = siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-                     dy, dg_t, dphi_t, plan.chunk, plan.configs)  # fmt: skip
+    grads = list(siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in,
+                          phi_in, dy, dg_t, dphi_t, plan.chunk, plan.configs, dzv))  # fmt: skip
+    if packed:
+        grads[2:4] = [dzv, None]
     return [g if g is not None else v.new_empty(0) for g in grads]
 
 
 @siso_bwd_op.register_fake
 def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy, dg_t, dphi_t,
-      chunk_size):  # fmt: skip
+      chunk_size, packed):  # fmt: skip
+    dv = v.new_empty(v.shape)
+    v, z = _unpack(v, z, packed)
     b, t, g, n = q.shape
     h, p, s = v.shape[2], v.shape[3], angles.shape[3]
     f32 = dict(dtype=torch.float32, device=v.device)
     return [
         v.new_empty(b, t, g, n),
         v.new_empty(b, t, g, n),
-        v.new_empty(b, t, h, p),
-        z.new_empty(b, t, h, p) if z is not None else v.new_empty(0),
+        dv,
+        z.new_empty(b, t, h, p) if z is not None and not packed else v.new_empty(0),
         *(torch.empty(b, h, t, **f32) for _ in range(3)),
         torch.empty(h, n, **f32),
         torch.empty(h, n, **f32),
@@ -103,11 +121,12 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, d
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, _phi0, g0, seg, chunk_size,
-     _save) = inputs  # fmt: skip
+     _save, packed) = inputs  # fmt: skip
     _, _, _, g_in, phi_in = output
     ctx.save_for_backward(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
                           phi_in)  # fmt: skip
     ctx.chunk_size = chunk_size
+    ctx.packed = packed
     # The saved per-chunk states and angles are outputs only so that they can be saved: no
     # gradient flows into them, and an output's missing gradient arrives as None, not as a
     # tensor of zeros (for the states, a 268 MB fill per call at the benchmark's shape).
@@ -118,8 +137,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
     (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
      phi_in) = ctx.saved_tensors  # fmt: skip
-    b, h, s = v.shape[0], v.shape[2], angles.shape[3]
-    dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+    x = _unpack(v, z, ctx.packed)[0]
+    b, h, s = x.shape[0], x.shape[2], angles.shape[3]
+    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
     if dphi_t is None:
         dphi_t = torch.zeros(b, h, s, dtype=torch.float32, device=v.device)
     dphi_t = dphi_t.float().contiguous()
@@ -127,13 +147,14 @@ def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
         dg_t = dg_t.float().contiguous()
     (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd, dphi0,
      dg0) = siso_bwd_op(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-                        dy, dg_t, dphi_t, ctx.chunk_size)  # fmt: skip
+                        dy, dg_t, dphi_t, ctx.chunk_size, ctx.packed)  # fmt: skip
     return (
-        dq.to(q.dtype), dk.to(k.dtype), dv, dz if z is not None else None, dadt, ddt, dtrap,
+        dq.to(q.dtype), dk.to(k.dtype), dv, None if z is None else dz, dadt, ddt, dtrap,
         dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,
         None if d is None else dd.to(d.dtype),
         dphi0 if ctx.needs_input_grad[11] else None,
         dg0 if g0 is not None else None,
+        None,
         None,
         None,
         None,
@@ -146,7 +167,7 @@ siso_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def mamba3_siso_triton(
     q: Tensor,
     k: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     adt: Tensor,
     dt: Tensor,
     trap: Tensor,
@@ -160,19 +181,26 @@ def mamba3_siso_triton(
     initial_state: State | None = None,
     return_final_state: bool = False,
     reset: Tensor | None = None,
+    zv: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, State]:
     """The Mamba-3 SISO scan through Triton; same contract as ``mamba3_siso``.
 
     Shapes: q, k (b, t, g, n) with g = 1 or h; v, z (b, t, h, p) in bf16, fp16 or fp32 (q, k, z
-    are cast to v's dtype); adt, dt, trap (b, h, t) and q_bias, k_bias (h, n), angles
-    (b, t, h, s) in fp32; d (h,); reset (b, t) bool (no state crosses a token marked True: the
-    kernels mask every decay across it). Dots run in v's dtype with fp32 accumulation; the state,
-    decays and angles are fp32. Differentiable in every input, the initial state included.
-    Callers go through :func:`kernels.mamba3.api.mamba3_siso`, which validates the shapes.
+    are cast to v's dtype), or instead of them ``zv`` (b, t, 2, h, p), z and v packed (z first),
+    whose gradient comes back packed in one tensor; adt, dt, trap (b, h, t) and q_bias, k_bias
+    (h, n), angles (b, t, h, s) in fp32; d (h,); reset (b, t) bool (no state crosses a token
+    marked True: the kernels mask every decay across it). Dots run in v's dtype with fp32
+    accumulation; the state, decays and angles are fp32. Differentiable in every input, the
+    initial state included. Callers go through :func:`kernels.mamba3.api.mamba3_siso`, which
+    validates the shapes.
     """
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)
     b, t, _, n = k.shape
+    packed = zv is not None
+    if packed:
+        zv = zv if zv.stride(-1) == 1 else zv.contiguous()
+        v, z = zv[:, :, 1], None
     h = v.shape[2]
     reason = shape_error(v, n, chunk_size)
     if reason is not None:
@@ -198,9 +226,9 @@ def mamba3_siso_triton(
     seg = None
     if reset is not None:
         seg = segment_ids(reset, plan_for(v.device, v.shape[3], n, chunk_size, v.dtype).chunk)
-    inputs = (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0)
+    inputs = (q, k, zv if packed else v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    y, phi_t, g_t, _, _ = siso_fwd_op(*inputs, seg, chunk_size, save)
+    y, phi_t, g_t, _, _ = siso_fwd_op(*inputs, seg, chunk_size, save, packed)
     if not return_final_state:
         return y
     k_last = k[:, t - 1].float().expand(b, h, n) + k_bias

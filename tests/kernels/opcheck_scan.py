@@ -2,8 +2,10 @@
 loads): the scan's two custom operators (kernels/mamba3/triton_siso.py) under torch.compile with
 fullgraph equal them eagerly, bitwise (one B/C group, z, d and a reset), and
 torch.library.opcheck finds their fake implementations (the shapes torch.compile plans with)
-right, there and with one group per head and no z or d. Prints "ok" at the end. Small shapes:
-the interpreter runs each kernel program in Python."""
+right, there and with one group per head and no z or d; with z and v packed in one tensor
+(``zv``) the output and every gradient equal those of z and v apart, bitwise, the packed
+gradient holding dz and dv. Prints "ok" at the end. Small shapes: the interpreter runs each
+kernel program in Python."""
 
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ def main() -> None:
         def scan(reset=reset, **kw):
             return ts.mamba3_siso_triton(**kw, chunk_size=chunk, reset=reset)
 
+        if case["z"]:
+            check_packed(scan, x)
+
         outs = []
         fns = (scan, torch.compile(scan, backend="aot_eager", fullgraph=True))
         for fn in fns if case["compile"] else ():
@@ -58,14 +63,38 @@ def main() -> None:
             assert torch.equal(a, c), f"{case}: compiled differs from eager"
 
         seg = None if reset is None else ts.segment_ids(reset, chunk)
-        args = (x["q"], x["k"], x["v"], x["z"], x["adt"], x["dt"], x["trap"], x["q_bias"],
-                x["k_bias"], x["angles"], x["d"], None, None, seg, chunk, True)  # fmt: skip
-        torch.library.opcheck(ts.siso_fwd_op, args, test_utils=("test_schema", "test_faketensor"))
-        y, phi_t, _g_t, g_in, phi_in = ts.siso_fwd_op(*args)
-        bargs = (*args[:11], seg, g_in, phi_in, torch.randn_like(y), None, torch.zeros_like(phi_t),
-                 chunk)  # fmt: skip
-        torch.library.opcheck(ts.siso_bwd_op, bargs, test_utils=("test_faketensor",))
+        vz = [(x["v"], x["z"], False)]
+        if case["z"]:
+            vz.append((torch.stack([x["z"], x["v"]], dim=2), None, True))
+        for v, z, packed in vz:
+            args = (x["q"], x["k"], v, z, x["adt"], x["dt"], x["trap"], x["q_bias"], x["k_bias"],
+                    x["angles"], x["d"], None, None, seg, chunk, True, packed)  # fmt: skip
+            torch.library.opcheck(ts.siso_fwd_op, args,
+                                  test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+            y, phi_t, _g_t, g_in, phi_in = ts.siso_fwd_op(*args)
+            bargs = (*args[:11], seg, g_in, phi_in, torch.randn_like(y), None,
+                     torch.zeros_like(phi_t), chunk, packed)  # fmt: skip
+            torch.library.opcheck(ts.siso_bwd_op, bargs, test_utils=("test_faketensor",))
     print("ok")
+
+
+def check_packed(scan, x) -> None:
+    """z and v packed as ``zv`` give the output and gradients of z and v apart, bitwise."""
+    apart = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    packed = {k: v.clone().requires_grad_() for k, v in x.items() if k not in ("v", "z", "d")}
+    packed["d"] = x["d"].clone().requires_grad_() if x["d"] is not None else None
+    zv = torch.stack([x["z"], x["v"]], dim=2).requires_grad_()
+    ys = [scan(**apart), scan(**packed, v=None, zv=zv)]
+    probe = torch.linspace(-1, 1, ys[0].numel()).view_as(ys[0])
+    for y in ys:
+        (y * probe).sum().backward()
+    assert torch.equal(ys[0], ys[1]), "packed zv: the output differs"
+    assert torch.equal(zv.grad, torch.stack([apart["z"].grad, apart["v"].grad], dim=2)), (
+        "packed zv: its gradient is not (dz, dv)"
+    )
+    for name, leaf in packed.items():
+        if leaf is not None:
+            assert torch.equal(leaf.grad, apart[name].grad), f"packed zv: d{name} differs"
 
 
 if __name__ == "__main__":

@@ -237,3 +237,26 @@ def test_bad_groups_chunk_and_backend_are_rejected():
     bad_state[1] = torch.zeros(2, 3, 8, 4, dtype=F64)
     with pytest.raises(ValueError, match=r"ssm_state must be \(2, 3, 4, 8\)"):
         mamba3_siso(**x, initial_state=tuple(bad_state), backend="pytorch")
+
+
+def test_packed_z_and_v_equal_them_apart_and_are_checked():
+    """``zv`` (b, t, 2, h, p), z and v packed as the mixer's one product gives them: the same
+    output and gradients as z and v apart (the packed gradient is (dz, dv)), up to float64
+    rounding (the reference's products read the packed halves with other strides); a zv given
+    with v or z, or of the wrong shape, is a named ValueError."""
+    x = make_inputs(t=37)
+    apart = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    zv = torch.stack([x["z"], x["v"]], dim=2).requires_grad_()
+    packed = {k: v.clone().requires_grad_() for k, v in x.items() if k not in ("v", "z")}
+    y1 = mamba3_siso(**apart, backend="pytorch")
+    y2 = mamba3_siso(**packed, v=None, zv=zv, backend="pytorch")
+    torch.testing.assert_close(y1, y2, rtol=1e-12, atol=1e-12)
+    gy = torch.randn_like(y1)
+    (y1 * gy).sum().backward()
+    (y2 * gy).sum().backward()
+    want = torch.stack([apart["z"].grad, apart["v"].grad], dim=2)
+    torch.testing.assert_close(zv.grad, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"either packed \(zv\) or apart \(v, z\).*with v"):
+        mamba3_siso(**x, zv=zv.detach(), backend="pytorch")
+    with pytest.raises(ValueError, match=r"zv must be \(b, t, 2, h, p\).*got \(2, 37, 3, 4\)"):
+        mamba3_siso(**packed, v=None, zv=x["v"], backend="pytorch")

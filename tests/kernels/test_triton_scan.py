@@ -249,6 +249,30 @@ def test_strided_inputs_as_the_mixer_passes_them():
     assert rel(g1, g2.sum(2)) <= 1e-6
 
 
+def test_packed_z_and_v_equal_them_apart():
+    """z and v as one (b, t, 2, h, p) tensor, as the mixer's one product for both gives them
+    (with resets, as in training): the output and every gradient equal those of z and v apart,
+    bitwise, and the gradient comes back packed as (dz, dv)."""
+    b, t = 2, 300
+    x = make_inputs(b=b, t=t)
+    reset = torch.zeros(b, t, dtype=torch.bool, device=DEV)
+    reset[:, [0, 77, 190]] = True
+    apart = {k: None if v is None else v.clone().requires_grad_() for k, v in x.items()}
+    packed = {k: None if v is None else v.clone().requires_grad_() for k, v in x.items()}
+    zv = torch.stack([x["z"], x["v"]], dim=2).requires_grad_()
+    packed["v"] = packed["z"] = None
+    gy = torch.randn(b, t, 4, 64, device=DEV).to(BF16)
+    y1 = mamba3_siso(**apart, reset=reset, backend="triton")
+    y2 = mamba3_siso(**packed, zv=zv, reset=reset, backend="triton")
+    assert torch.equal(y1, y2)
+    (y1 * gy).sum().backward()
+    (y2 * gy).sum().backward()
+    assert torch.equal(zv.grad, torch.stack([apart["z"].grad, apart["v"].grad], dim=2))
+    for name, leaf in packed.items():
+        if leaf is not None:
+            assert torch.equal(leaf.grad, apart[name].grad), name
+
+
 @pytest.mark.parametrize("g", [1, 4], ids=["g1", "gh"])
 def test_backward_is_deterministic(g):
     """No atomics: two backward calls on the same inputs give bitwise-equal gradients."""

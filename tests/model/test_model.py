@@ -63,9 +63,10 @@ def test_recurrent_decode_reproduces_full_forward_logits(ngroups):
         torch.testing.assert_close(logits, full[:, i], rtol=1e-10, atol=1e-10)
 
 
-def test_in_proj_as_three_products_equals_one_product_split():
-    """Mamba3Mixer._in_proj: the outputs and the gradients of the input and the weight equal
-    those of one product split, and the weight keeps its one (width, d_model) shape."""
+def test_in_proj_as_two_products_equals_one_product_split():
+    """Mamba3Mixer._in_proj: the outputs (z and x together, then the rest) and the gradients of
+    the input and the weight equal those of one product split, and the weight keeps its one
+    (width, d_model) shape."""
     from model.mixer import Mamba3Mixer
 
     torch.manual_seed(0)
@@ -75,9 +76,10 @@ def test_in_proj_as_three_products_equals_one_product_split():
     assert mixer.in_proj.weight.shape == (width, cfg.d_model)
     u = torch.randn(2, 7, cfg.d_model, dtype=F64, requires_grad=True)
     got = mixer._in_proj(u)
-    want = F.linear(u, mixer.in_proj.weight).split(mixer.split_sizes, dim=-1)
+    E = cfg.d_inner
+    want = F.linear(u, mixer.in_proj.weight).split([2 * E, *mixer.split_sizes[2:]], dim=-1)
     assert [g.shape for g in got] == [w.shape for w in want]
-    assert got[0].is_contiguous() and got[1].is_contiguous()
+    assert got[0].is_contiguous()
     probes = [torch.randn_like(w) for w in want]
     grads = []
     for outs in (got, want):
