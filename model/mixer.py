@@ -102,7 +102,7 @@ class Mamba3Mixer(nn.Module):
             adt=adt,
             dt=dt,
             trap=_f32(trap),
-            angles=_f32(angles).unsqueeze(2).expand(b, t, H, self.n_angles),
+            angles=_f32(angles).unsqueeze(2),  # (b, t, 1, S): one set for every head
         )
 
     def forward(

@@ -119,8 +119,9 @@ def validate(
         _check(x.shape == (h, n), f"{name} must be (h, n)=({h}, {n}), got {_shape(x)}")
         _check(x.dtype in _FP32_OR_64, f"{name} must be float32 (or float64), got {x.dtype}")
     _check(
-        angles.dim() == 4 and angles.shape[:3] == (b, t, h),
-        f"angles must be (b, t, h, s)=({b}, {t}, {h}, s), got {_shape(angles)}",
+        angles.dim() == 4 and angles.shape[:2] == (b, t) and angles.shape[2] in (1, h),
+        f"angles must be (b, t, h, s)=({b}, {t}, {h}, s) or, one set for every head, "
+        f"(b, t, 1, s)=({b}, {t}, 1, s), got {_shape(angles)}",
     )
     s = angles.shape[3]
     _check(2 * s <= n, f"angles rotate 2·s dims of n={n}, so s must be ≤ {n // 2}, got s={s}")
@@ -168,6 +169,7 @@ def _prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, initial_state
     cdt = torch.float64 if v.dtype == torch.float64 else torch.float32
     if q.shape[2] != h:
         q, k = q.expand(-1, -1, h, -1), k.expand(-1, -1, h, -1)
+    angles = angles.expand(-1, -1, h, -1)
     cast = [x.to(cdt) if x is not None else None for x in (q, k, v, adt, dt, trap)]
     cast += [x.to(cdt) if x is not None else None for x in (q_bias, k_bias, angles, d, z)]
     state = None if initial_state is None else tuple(x.to(cdt) for x in initial_state)
@@ -201,7 +203,8 @@ def mamba3_siso(
         v, z: (b, t, h, p). x and the gate input; ``y`` is multiplied by ``silu(z)``.
         adt, dt, trap: (b, h, t) float32. A·Δ (≤ 0), Δ (> 0), pre-sigmoid λ.
         q_bias, k_bias: (h, n) float32. Per-head biases of C and B.
-        angles: (b, t, h, s) float32, pre-tanh θ̃; 2s ≤ n.
+        angles: (b, t, h, s) float32, pre-tanh θ̃; 2s ≤ n. Or (b, t, 1, s), one set for every
+            head (Mamba-3's): the Triton backward then sums their gradient over heads itself.
         d: (h,) skip weight, optional.
         initial_state: (angle_state (b,h,s), ssm_state (b,h,p,n), k_state (b,h,n), v_state (b,h,p)).
         reset: (b, t) bool, optional. True at a token before which the state is zero (a document
@@ -281,11 +284,13 @@ def mamba3_siso_recurrent(
 
 def mamba3_siso_step(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, state):
     """One decoding step. Per-token shapes: q, k (b, g, n); v, z (b, h, p); adt, dt, trap (b, h);
-    angles (b, h, s). Returns (y (b, h, p) in v's dtype, new state in the compute dtype)."""
+    angles (b, h, s) or (b, 1, s). Returns (y (b, h, p) in v's dtype, new state in the compute
+    dtype)."""
     h = v.shape[1]
     cdt = state[1].dtype
     if q.shape[1] != h:
         q, k = q.expand(-1, h, -1), k.expand(-1, h, -1)
+    angles = angles.expand(-1, h, -1)
     args = [None if x is None else x.to(cdt) for x in (q, k, v, adt, dt, trap)]
     args += [None if x is None else x.to(cdt) for x in (q_bias, k_bias, angles, d, z)]
     y, new_state = siso_step(*args, state)

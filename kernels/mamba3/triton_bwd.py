@@ -132,20 +132,17 @@ if triton is not None:
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
 
-    @triton.jit(do_not_specialize=["T", "NC"])
-    def siso_bwd_angle_kernel(
-        dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
-        T, NC, H, S, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr,
-    ):  # fmt: skip
-        """Chunk i_c of one (batch, head): the reverse cumsum of dΦ (chunk-local, plus the chunk
-        totals ``dphi_c`` of the later chunks and the final angle's gradient) to the angle
-        gradient, in place in ``dphi``; chunk 0 also writes the start angle's gradient. Then the
-        trapezoid chain rule from kernel 2's ``(dw, dcur)``, with
-        w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1} and cur_u = λ_uΔ_u: ``ddt`` (plus the angle term) and
-        ``dtrap`` (λ = sigmoid(trap))."""
-        i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
+    @triton.jit
+    def _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, i_c,
+                    i_b, i_h, T, NC, H, S, s_ab, s_at, s_ah, s_as, BT: tl.constexpr,
+                    BR: tl.constexpr, BNC: tl.constexpr):  # fmt: skip
+        """Chunk i_c of head i_h of batch i_b: the reverse cumsum of dΦ (chunk-local, plus the
+        chunk totals ``dphi_c`` of the later chunks and the final angle's gradient); chunk 0
+        stores the start angle's gradient. Then the trapezoid chain rule from kernel 2's
+        ``(dw, dcur)``, with w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1} and cur_u = λ_uΔ_u: ``ddt``
+        (plus the angle term) and ``dtrap`` (λ = sigmoid(trap)) stored. Returns the head's
+        ∂L/∂(π·tanh θ̃), the reverse cumsum times Δ (BT × BR), and 1 − tanh² θ̃."""
+        i_bh = i_b * H + i_h
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BR)
         o_j = tl.arange(0, BNC)
@@ -173,7 +170,6 @@ if triton is not None:
         b_dt = tl.load(dt + o_s + o_tc, mask=m_t, other=0.0)
         p_a = angles + i_b * s_ab + i_h * s_ah
         b_th = tanh(tl.load(p_a + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0))
-        tl.store(p_d, b_rc * b_dt[:, None] * PI * (1.0 - b_th * b_th), mask=m_a)
         b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
 
         b_lam = sigmoid(tl.load(trap + o_s + o_tc, mask=m_t, other=0.0))
@@ -184,18 +180,55 @@ if triton is not None:
         tl.store(ddt + o_s + o_tc, b_ddt, mask=m_t)
         b_dtrap = b_dt * (b_dw + b_dcur - b_dwp) * b_lam * (1.0 - b_lam)
         tl.store(dtrap + o_s + o_tc, b_dtrap, mask=m_t)
+        return b_rc * b_dt[:, None], 1.0 - b_th * b_th
+
+    @triton.jit(do_not_specialize=["T", "NC"])
+    def siso_bwd_angle_kernel(
+        dt, trap, angles, dphi, dth, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
+        T, NC, H, S, s_ab, s_at, s_ah, s_as,
+        BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr, HSUM: tl.constexpr,
+    ):  # fmt: skip
+        """Chunk i_c of one (batch, head) (:func:`_angle_head`), its θ̃ gradient stored in
+        ``dth`` ((b, t, h, S), in place of dΦ in ``dphi``); or, with HSUM (one set of angles
+        for every head), chunk i_c of every head of one batch in turn, their θ̃ gradients summed
+        in head order into ``dth`` ((b, t, 1, S)): no per-head gradient is written for a
+        sum to read back."""
+        i_c, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        o_tc = i_c * BT + tl.arange(0, BT)
+        o_m = tl.arange(0, BR)
+        m_a = (o_tc < T)[:, None] & (o_m < S)[None, :]
+        if HSUM:
+            i_b = i_p
+            b_g = tl.zeros([BT, BR], dtype=tl.float32)
+            b_sech2 = tl.zeros([BT, BR], dtype=tl.float32)  # every head's (the same angles)
+            for i_h in range(H):
+                b_gh, b_sech2 = _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur,
+                                            ddt, dtrap, dphi0, i_c, i_b, i_h, T, NC, H, S, s_ab,
+                                            s_at, s_ah, s_as, BT, BR, BNC)  # fmt: skip
+                b_g += b_gh
+            p_o = dth + i_b * T * S + o_tc[:, None] * S + o_m[None, :]
+        else:
+            i_b, i_h = i_p // H, i_p % H
+            b_g, b_sech2 = _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt,
+                                       dtrap, dphi0, i_c, i_b, i_h, T, NC, H, S, s_ab, s_at,
+                                       s_ah, s_as, BT, BR, BNC)  # fmt: skip
+            p_o = dth + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        tl.store(p_o, b_g * PI * b_sech2, mask=m_a)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
              dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig],
              dzv=None):  # fmt: skip
     """Launch the kernels. Returns the gradients of every input of the forward kernel:
-    dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles,
+    dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles
+    (angles' shape: (b, t, 1, s), summed over heads, for one set of angles for every head),
     dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). With ``dzv`` (b, t, 2, h, p), z and v packed in
     one tensor (z first), dz and dv are written into its halves, and returned as those views."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
+    shared = angles.shape[2] == 1 and h > 1
+    angles = angles.expand(b, t, h, s)  # the kernels read shared angles with a head stride 0
     hpg = h // g
     tiles = Tiles.of(p, n, chunk_size)
     BT, BP, BN2, BR = tiles.BT, tiles.BP, tiles.BN2, tiles.rot_pairs(s)
@@ -238,12 +271,12 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     dd = torch.empty(b, nc, h, **f32)
     dqb = torch.empty(b, nc, h, n, **f32)
     dkb = torch.empty(b, nc, h, n, **f32)
-    dangles = torch.empty(b, t, h, s, **f32)
+    dphi = torch.empty(b, t, h, s, **f32)  # dΦ per head; per-head angles: their gradient
     dphi_c = torch.empty(b * h, nc, BR, **f32)
     args = (
         q, k, v, zz, adt, dt, trap, q_bias, k_bias, angles, d if d is not None else q_bias,
         phi_in, g_in, dg_out, dy, seg_,
-        dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dangles, dphi_c,
+        dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
         t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides,
         dv.stride(0), dv.stride(1), *a_strides,
     )  # fmt: skip
@@ -258,13 +291,16 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     if hpg > hpp:
         dq, dk = head_sums(dq, dk, g)
 
-    # 3. The angle gradients and the trapezoid chain rule, chunk by chunk.
+    # 3. The angle gradients and the trapezoid chain rule, chunk by chunk (shared angles: each
+    # program takes a chunk of every head of a batch, and sums their angle gradients).
     ddt, dtrap = torch.empty(b, h, t, **f32), torch.empty(b, h, t, **f32)
     dphi0 = torch.empty(b, h, s, **f32)
-    args = (dt, trap, angles, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc, h, s,
-            *a_strides)  # fmt: skip
-    flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)))
-    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * h), args, flags, cfgs["bwd_angle"])
+    dangles = torch.empty(b, t, 1, s, **f32) if shared else dphi
+    args = (dt, trap, angles, dphi, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc,
+            h, s, *a_strides)  # fmt: skip
+    flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)), HSUM=shared)
+    grid = (nc, b if shared else b * h)
+    launch("bwd_angle", siso_bwd_angle_kernel, grid, args, flags, cfgs["bwd_angle"])
     dq_bias, dk_bias, dd_h = param_sums(dqb, dkb, dd if d is not None else None)
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd_h, dphi0,
             dg0)  # fmt: skip

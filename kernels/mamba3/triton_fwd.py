@@ -180,6 +180,7 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
+    angles = angles.expand(b, t, h, s)  # one set for every head: read with a head stride 0
     tiles = Tiles.of(p, n, chunk_size)
     BT, BP, BN2, BR = tiles.BT, tiles.BP, tiles.BN2, tiles.rot_pairs(s)
     BV = min(cfg.bv or BP, BP)

@@ -142,7 +142,7 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     v, z, dy = (torch.empty(b, t, h, p, dtype=dtype, **m) for _ in range(3))
     adt, dt, trap = (torch.empty(b, h, t, **m) for _ in range(3))
     q_bias, k_bias = torch.empty(h, n, **m), torch.empty(h, n, **m)
-    angles = torch.empty(b, t, h, s, **m)
+    angles = torch.empty(b, t, 1, s, **m)  # one set for every head, as the model passes them
     d = torch.empty(h, **m)
     phi0, g0 = torch.empty(b, h, s, **m), torch.empty(b, h, p, n, **m)
     nc = -(-t // chunk_size)

@@ -112,7 +112,7 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, d
         *(torch.empty(b, h, t, **f32) for _ in range(3)),
         torch.empty(h, n, **f32),
         torch.empty(h, n, **f32),
-        torch.empty(b, t, h, s, **f32),
+        torch.empty(angles.shape, **f32),
         torch.empty(h, **f32) if d is not None else v.new_empty(0),
         torch.empty(b, h, s, **f32),
         torch.empty(b, h, p, n, **f32),
@@ -188,11 +188,11 @@ def mamba3_siso_triton(
     Shapes: q, k (b, t, g, n) with g = 1 or h; v, z (b, t, h, p) in bf16, fp16 or fp32 (q, k, z
     are cast to v's dtype), or instead of them ``zv`` (b, t, 2, h, p), z and v packed (z first),
     whose gradient comes back packed in one tensor; adt, dt, trap (b, h, t) and q_bias, k_bias
-    (h, n), angles (b, t, h, s) in fp32; d (h,); reset (b, t) bool (no state crosses a token
-    marked True: the kernels mask every decay across it). Dots run in v's dtype with fp32
-    accumulation; the state, decays and angles are fp32. Differentiable in every input, the
-    initial state included. Callers go through :func:`kernels.mamba3.api.mamba3_siso`, which
-    validates the shapes.
+    (h, n), angles (b, t, h, s) or (b, t, 1, s) (one set for every head) in fp32; d (h,); reset
+    (b, t) bool (no state crosses a token marked True: the kernels mask every decay across it).
+    Dots run in v's dtype with fp32 accumulation; the state, decays and angles are fp32.
+    Differentiable in every input, the initial state included. Callers go through
+    :func:`kernels.mamba3.api.mamba3_siso`, which validates the shapes.
     """
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)

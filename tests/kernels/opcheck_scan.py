@@ -4,7 +4,9 @@ fullgraph equal them eagerly, bitwise (one B/C group, z, d and a reset), and
 torch.library.opcheck finds their fake implementations (the shapes torch.compile plans with)
 right, there and with one group per head and no z or d; with z and v packed in one tensor
 (``zv``) the output and every gradient equal those of z and v apart, bitwise, the packed
-gradient holding dz and dv. Prints "ok" at the end. Small shapes: the interpreter runs each
+gradient holding dz and dv; with one set of angles for every head ((b, t, 1, s)) the output
+and the other gradients equal those of the angles expanded over heads, bitwise, and the angles'
+gradient is their sum over heads. Prints "ok" at the end. Small shapes: the interpreter runs each
 kernel program in Python."""
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
 
         if case["z"]:
             check_packed(scan, x)
+        check_shared_angles(scan, x)
 
         outs = []
         fns = (scan, torch.compile(scan, backend="aot_eager", fullgraph=True))
@@ -95,6 +98,28 @@ def check_packed(scan, x) -> None:
     for name, leaf in packed.items():
         if leaf is not None:
             assert torch.equal(leaf.grad, apart[name].grad), f"packed zv: d{name} differs"
+
+
+def check_shared_angles(scan, x) -> None:
+    """Angles (b, t, 1, s), one set for every head, summed over heads in the angle kernel: the
+    output and the other gradients of the angles expanded to (b, t, h, s), bitwise; the angles'
+    gradient their per-head gradients' sum."""
+    b, t, h, s = x["angles"].shape
+    one = x["angles"][:, :, :1].clone()
+    shared = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    shared["angles"] = one.clone().requires_grad_()
+    per_head = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    per_head["angles"] = one.expand(b, t, h, s).contiguous().requires_grad_()
+    ys = [scan(**shared), scan(**per_head)]
+    probe = torch.linspace(-1, 1, ys[0].numel()).view_as(ys[0])
+    for y in ys:
+        (y * probe).sum().backward()
+    assert torch.equal(ys[0], ys[1]), "shared angles: the output differs"
+    for name, leaf in shared.items():
+        if name != "angles":
+            assert torch.equal(leaf.grad, per_head[name].grad), f"shared angles: d{name} differs"
+    want = per_head["angles"].grad.sum(2, keepdim=True)
+    torch.testing.assert_close(shared["angles"].grad, want, rtol=1e-5, atol=1e-6)
 
 
 if __name__ == "__main__":

@@ -227,17 +227,20 @@ def test_packed_document_scans_as_if_alone():
     assert rel(y[:, t1:], alone) <= Y_TOL
 
 
-def test_strided_inputs_as_the_mixer_passes_them():
-    """Angles expanded over heads (stride 0), (b, h, t) scalars as transposed views, v/z as
-    slices of one projection: same numbers as contiguous inputs, gradients included."""
+@pytest.mark.parametrize("shared", [True, False], ids=["b-t-1-s", "expanded"])
+def test_strided_inputs_as_the_mixer_passes_them(shared):
+    """Angles as one set for every head ((b, t, 1, s), as the mixer passes them, their gradient
+    summed over heads in the kernel) or expanded over heads (stride 0), (b, h, t) scalars as
+    transposed views, v/z as slices of one projection: same numbers as contiguous inputs,
+    gradients included."""
     b, t, h, p, n, s = 2, 100, 4, 64, 64, 16
     x = make_inputs(b=b, t=t, h=h, p=p, n=n, s=s)
     proj = torch.randn(b, t, 2 * h * p + 8, device=DEV).to(BF16)
     z_, v_ = proj[..., : h * p].view(b, t, h, p), proj[..., h * p : 2 * h * p].view(b, t, h, p)
     ang = torch.randn(b, t, s, device=DEV).requires_grad_()
     scal = [x[key].transpose(1, 2).contiguous().transpose(1, 2) for key in ("adt", "dt", "trap")]
-    strided = dict(x, v=v_, z=z_, adt=scal[0], dt=scal[1], trap=scal[2],
-                   angles=ang[:, :, None].expand(b, t, h, s))  # fmt: skip
+    angles = ang[:, :, None] if shared else ang[:, :, None].expand(b, t, h, s)
+    strided = dict(x, v=v_, z=z_, adt=scal[0], dt=scal[1], trap=scal[2], angles=angles)
     ang_c = ang.detach()[:, :, None].expand(b, t, h, s).contiguous().requires_grad_()
     dense = dict(x, v=v_.contiguous(), z=z_.contiguous(), angles=ang_c)
     gy = torch.randn(b, t, h, p, device=DEV)
