@@ -89,7 +89,8 @@ if triton is not None:
         if HAS_Z:
             b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
             b_sg = sigmoid(b_z)
-            return b_dy * b_z * b_sg, b_dy * b_sg * (1.0 + b_z * (1.0 - b_sg))
+            b_silu = b_z * b_sg  # silu'(z) = σ + silu(z)·(1 − σ): five operations, not six
+            return b_dy * b_silu, b_dy * (b_sg + b_silu * (1.0 - b_sg))
         return b_dy, b_dy
 
     @triton.jit
