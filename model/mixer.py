@@ -1,10 +1,10 @@
 """The Mamba-3 SISO mixer (Lahoti et al., "Mamba-3", 2026), as DESIGN.md describes it.
 
 One input projection (one weight, taken as two products: z and x together, and the rest; see
-_in_proj),
-per-token Δ, A and trapezoid λ, data-dependent rotation angles, RMS-normed B/C with per-head
-biases, the SISO scan, the silu(z) gate inside the scan, and the output projection. No short
-convolution: the trapezoid rule's two-token stencil replaces it.
+_in_proj), per-token Δ, A and trapezoid λ, data-dependent rotation angles (one set for every
+head), RMS-normed B/C with per-head biases, the SISO scan, the silu(z) gate inside the scan,
+and the output projection. No short convolution: the trapezoid rule's two-token stencil
+replaces it.
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ class Mamba3Mixer(nn.Module):
     def _in_proj(self, u: Tensor) -> tuple[Tensor, ...]:
         """in_proj's outputs [zx, B, C, Δ̃, Ã, λ̃, θ̃] as two products of row blocks of its
         weight: z and x in one (b, t, 2E), which the scan takes packed and whose gradient it
-        returns packed, so the backward's two products for it are one each with K or M = 2E;
-        and the rest (the split of one product would concatenate the scan's gradient with the
-        rest's into one (b, t, 4,336) gradient first: 6 ms of a 435 ms 434m step on an H200,
-        docs/benchmarks.md)."""
+        returns packed, so its input and weight gradients are one product each (K or M = 2E);
+        and the rest, apart (the split of one product would concatenate the scan's gradient with
+        the rest's into one (b, t, 4,336) gradient first: 6 ms of a 435 ms 434m step on an
+        H200, docs/benchmarks.md)."""
         w, E = self.in_proj.weight, self.d_inner
         rest = F.linear(u, w[2 * E :]).split(self.split_sizes[2:], dim=-1)
         return (F.linear(u, w[: 2 * E]), *rest)

@@ -221,9 +221,10 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
              dzv=None):  # fmt: skip
     """Launch the kernels. Returns the gradients of every input of the forward kernel:
     dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles
-    (angles' shape: (b, t, 1, s), summed over heads, for one set of angles for every head),
-    dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). With ``dzv`` (b, t, 2, h, p), z and v packed in
-    one tensor (z first), dz and dv are written into its halves, and returned as those views."""
+    (in the angles' shape: (b, t, 1, s), summed over heads, where they are one set for every
+    head), dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). With ``dzv`` (b, t, 2, h, p), z and v
+    packed in one tensor (z first), dz and dv are written into its halves, and returned as those
+    views."""
     b, t, g, n = q.shape
     h, p = v.shape[2], v.shape[3]
     s = angles.shape[3]
