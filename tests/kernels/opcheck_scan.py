@@ -84,8 +84,8 @@ def main() -> None:
 def check_packed(scan, x) -> None:
     """z and v packed as ``zv`` give the output and gradients of z and v apart, bitwise."""
     apart = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
-    packed = {k: v.clone().requires_grad_() for k, v in x.items() if k not in ("v", "z", "d")}
-    packed["d"] = x["d"].clone().requires_grad_() if x["d"] is not None else None
+    packed = {k: None if v is None else v.clone().requires_grad_() for k, v in x.items()
+              if k not in ("v", "z")}  # fmt: skip
     zv = torch.stack([x["z"], x["v"]], dim=2).requires_grad_()
     ys = [scan(**apart), scan(**packed, v=None, zv=zv)]
     probe = torch.linspace(-1, 1, ys[0].numel()).view_as(ys[0])
