@@ -133,15 +133,15 @@ if triton is not None:
         store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
 
     @triton.jit
-    def _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, i_c,
-                    i_b, i_h, T, NC, H, S, s_ab, s_at, s_ah, s_as, BT: tl.constexpr,
-                    BR: tl.constexpr, BNC: tl.constexpr):  # fmt: skip
-        """Chunk i_c of head i_h of batch i_b: the reverse cumsum of dΦ (chunk-local, plus the
-        chunk totals ``dphi_c`` of the later chunks and the final angle's gradient); chunk 0
-        stores the start angle's gradient. Then the trapezoid chain rule from kernel 2's
-        ``(dw, dcur)``, with w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1} and cur_u = λ_uΔ_u: ``ddt``
-        (plus the angle term) and ``dtrap`` (λ = sigmoid(trap)) stored. Returns the head's
-        ∂L/∂(π·tanh θ̃), the reverse cumsum times Δ (BT × BR), and 1 − tanh² θ̃."""
+    def _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th, i_c,
+                    i_b, i_h, T, NC, H, S, BT: tl.constexpr, BR: tl.constexpr,
+                    BNC: tl.constexpr):  # fmt: skip
+        """Chunk i_c of head i_h of batch i_b, whose tanh θ̃ is ``b_th`` (BT × BR): the reverse
+        cumsum of dΦ (chunk-local, plus the chunk totals ``dphi_c`` of the later chunks and the
+        final angle's gradient); chunk 0 stores the start angle's gradient. Then the trapezoid
+        chain rule from kernel 2's ``(dw, dcur)``, with w_u = λ_uΔ_u + (1−λ_{u+1})Δ_{u+1} and
+        cur_u = λ_uΔ_u: ``ddt`` (plus the angle term) and ``dtrap`` (λ = sigmoid(trap)) stored.
+        Returns the head's ∂L/∂(π·tanh θ̃), the reverse cumsum times Δ (BT × BR)."""
         i_bh = i_b * H + i_h
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BR)
@@ -168,8 +168,6 @@ if triton is not None:
                      mask=m_s)  # fmt: skip
         o_s = i_bh * T
         b_dt = tl.load(dt + o_s + o_tc, mask=m_t, other=0.0)
-        p_a = angles + i_b * s_ab + i_h * s_ah
-        b_th = tanh(tl.load(p_a + o_tc[:, None] * s_at + o_m[None, :] * s_as, mask=m_a, other=0.0))
         b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
 
         b_lam = sigmoid(tl.load(trap + o_s + o_tc, mask=m_t, other=0.0))
@@ -180,7 +178,7 @@ if triton is not None:
         tl.store(ddt + o_s + o_tc, b_ddt, mask=m_t)
         b_dtrap = b_dt * (b_dw + b_dcur - b_dwp) * b_lam * (1.0 - b_lam)
         tl.store(dtrap + o_s + o_tc, b_dtrap, mask=m_t)
-        return b_rc * b_dt[:, None], 1.0 - b_th * b_th
+        return b_rc * b_dt[:, None]
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_angle_kernel(
@@ -198,22 +196,22 @@ if triton is not None:
         o_m = tl.arange(0, BR)
         m_a = (o_tc < T)[:, None] & (o_m < S)[None, :]
         if HSUM:
-            i_b = i_p
-            b_g = tl.zeros([BT, BR], dtype=tl.float32)
-            b_sech2 = tl.zeros([BT, BR], dtype=tl.float32)  # every head's (the same angles)
-            for i_h in range(H):
-                b_gh, b_sech2 = _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur,
-                                            ddt, dtrap, dphi0, i_c, i_b, i_h, T, NC, H, S, s_ab,
-                                            s_at, s_ah, s_as, BT, BR, BNC)  # fmt: skip
-                b_g += b_gh
-            p_o = dth + i_b * T * S + o_tc[:, None] * S + o_m[None, :]
+            i_b, i_h = i_p, 0  # the heads' angles are one set: head 0's serve every head
         else:
             i_b, i_h = i_p // H, i_p % H
-            b_g, b_sech2 = _angle_head(dt, trap, angles, dphi, dphi_c, dphi_t, dw, dcur, ddt,
-                                       dtrap, dphi0, i_c, i_b, i_h, T, NC, H, S, s_ab, s_at,
-                                       s_ah, s_as, BT, BR, BNC)  # fmt: skip
+        p_a = angles + i_b * s_ab + i_h * s_ah + o_tc[:, None] * s_at + o_m[None, :] * s_as
+        b_th = tanh(tl.load(p_a, mask=m_a, other=0.0))
+        if HSUM:
+            b_g = tl.zeros([BT, BR], dtype=tl.float32)
+            for i_hs in range(H):
+                b_g += _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
+                                   b_th, i_c, i_b, i_hs, T, NC, H, S, BT, BR, BNC)  # fmt: skip
+            p_o = dth + i_b * T * S + o_tc[:, None] * S + o_m[None, :]
+        else:
+            b_g = _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th,
+                              i_c, i_b, i_h, T, NC, H, S, BT, BR, BNC)  # fmt: skip
             p_o = dth + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
-        tl.store(p_o, b_g * PI * b_sech2, mask=m_a)
+        tl.store(p_o, b_g * PI * (1.0 - b_th * b_th), mask=m_a)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,

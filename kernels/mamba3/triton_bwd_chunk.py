@@ -248,6 +248,7 @@ if triton is not None:
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
                                                s_at, s_ah, s_as, DT, BT, BN2, BR)  # fmt: skip
+        o_o = i_b * s_ob + i_h * P  # dv, dz
         b_do, b_gz = gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
                           HAS_Z)  # fmt: skip
         if HAS_Z:
@@ -272,7 +273,7 @@ if triton is not None:
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-            store_tile(tile_ptr(dz + i_b * s_ob + i_h * P, T, P, s_ot, r0, BT, BP), b_gz * b_o)
+            store_tile(tile_ptr(dz + o_o, T, P, s_ot, r0, BT, BP), b_gz * b_o)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
@@ -287,7 +288,7 @@ if triton is not None:
         b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
         if HAS_D:
             b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-        store_tile(tile_ptr(dv + i_b * s_ob + i_h * P, T, P, s_ot, r0, BT, BP), b_dx)
+        store_tile(tile_ptr(dv + o_o, T, P, s_ot, r0, BT, BP), b_dx)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
