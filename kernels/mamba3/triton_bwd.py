@@ -23,7 +23,8 @@ store it makes is time on the backward's one serial path.
    ``exp(A_L)·<dG_out, G_in>`` comes from the two states this kernel reads anyway), so its
    gradient is a reverse cumsum over one chunk of ``∂L/∂A``, never a sequence-long sum.
    Then, still in registers, ``dq̄, dk̄`` are rotated back (``da = Rᵀ dā``), with the per-chunk
-   bias partial sums and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
+   bias partial sums (but for per-head partials of grouped q, k, which the head sum reads
+   anyway and sums) and the per-token angle gradient ``dΦ = ā_E dā_O − ā_O dā_E`` (q and k,
    rotated frame, with the very dot-dtype q̄, k̄ the dots used) and its per-chunk sums. Nothing
    of the rotated frame goes to memory. A program may take several heads of a group of grouped
    q, k in turn (the plan's ``hpp``); ``dq, dk`` are written in the dot dtype per head or per
@@ -39,8 +40,9 @@ store it makes is time on the backward's one serial path.
    chain rule from ``(dw, dcur)`` to ``(ddt, dtrap)`` (a shift by one token, read across the
    chunk boundary).
 
-The partial sums that end it, the head sum (grouped q, k over their heads) and the parameters'
-gradients over batch and chunks, are :mod:`kernels.mamba3.triton_sums`.
+The partial sums that end it, the head sum (grouped q, k over their heads, and the bias
+partials of per-head ones) and the parameters' gradients over their partials, are
+:mod:`kernels.mamba3.triton_sums`.
 """
 
 from __future__ import annotations
@@ -268,8 +270,14 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         dz = torch.empty(b, t, h, p, dtype=z.dtype, device=dev) if z is not None else None
     dadt, dw, dcur = (torch.empty(b, h, t, **f32) for _ in range(3))
     dd = torch.empty(b, nc, h, **f32)
-    dqb = torch.empty(b, nc, h, n, **f32)
-    dkb = torch.empty(b, nc, h, n, **f32)
+    # The bias gradients' partials: each head's dq, dk summed over a chunk, here, or over a
+    # block of rows by the head sum where it reads them per head anyway (column sums of the
+    # partials rounded once to the dot dtype, 144 of the chunk kernel's instructions fewer).
+    parts_in_sum = hpg > hpp == 1
+    dqb = dkb = None
+    if not parts_in_sum:
+        dqb = torch.empty(b, nc, h, n, **f32)
+        dkb = torch.empty(b, nc, h, n, **f32)
     dphi = torch.empty(b, t, h, s, **f32)  # dΦ per head; per-head angles: their gradient
     dphi_c = torch.empty(b * h, nc, BR, **f32)
     args = (
@@ -288,7 +296,9 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out
     if hpg > hpp:
-        dq, dk = head_sums(dq, dk, g)
+        dq, dk, pq, pk = head_sums(dq, dk, g, parts=parts_in_sum)
+        if parts_in_sum:
+            dqb, dkb = pq, pk
 
     # 3. The angle gradients and the trapezoid chain rule, chunk by chunk (shared angles: each
     # program takes a chunk of every head of a batch, and sums their angle gradients).

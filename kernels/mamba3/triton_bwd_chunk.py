@@ -160,23 +160,24 @@ if triton is not None:
         return b_dA, b_dw, to_dot(b_dS, DT)
 
     @triton.jit
-    def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, p_bias, T, N, row_stride, r0,
+    def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, bias, o_b, T, N, row_stride, r0,
                           BT: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
                           HPP: tl.constexpr):  # fmt: skip
         """The gradient ``b_dr`` (fp32) of the rotated tile ā = ``b_r`` rotated back: stored
         (HPP = 1) as the tile at row r0 of ``out`` (T × N, rows ``row_stride`` apart; its
         pointers formed here, at the store, not held before) or added to ``acc``, and its column
-        sums (the bias partial) stored at ``p_bias``. Returns ``acc`` and the angle gradient of
-        the BR rotated pairs."""
+        sums (the bias partial) stored at ``bias + o_b``, unless ``bias`` is None (the head sum
+        forms them). Returns ``acc`` and the angle gradient of the BR rotated pairs."""
         b_da, b_dphi = _rotate_back(b_dr, b_r, b_cos, b_sin, BT, BN2, BR)
         if HPP == 1:
             store_tile(tile_ptr(out, T, N, row_stride, r0, BT, 2 * BN2), b_da)
         else:
             acc += b_da
-        o_m = tl.arange(0, BN2)
-        b_daE, b_daO = tl.split(tl.reshape(b_da, (BT, BN2, 2)))
-        tl.store(p_bias + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
-        tl.store(p_bias + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
+        if bias is not None:
+            o_m = tl.arange(0, BN2)
+            b_daE, b_daO = tl.split(tl.reshape(b_da, (BT, BN2, 2)))
+            tl.store(bias + o_b + 2 * o_m, tl.sum(b_daE, axis=0), mask=2 * o_m < N)
+            tl.store(bias + o_b + 2 * o_m + 1, tl.sum(b_daO, axis=0), mask=2 * o_m + 1 < N)
         return acc, b_dphi
 
     @triton.jit
@@ -276,7 +277,7 @@ if triton is not None:
             store_tile(tile_ptr(dz + o_o, T, P, s_ot, r0, BT, BP), b_gz * b_o)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
         acc_q, b_dphi = _rotated_back_out(
-            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
+            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP,
         )  # fmt: skip
 
@@ -291,7 +292,7 @@ if triton is not None:
         store_tile(tile_ptr(dv + o_o, T, P, s_ot, r0, BT, BP), b_dx)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
-            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
+            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP,
         )  # fmt: skip
 
@@ -368,7 +369,7 @@ if triton is not None:
             b_doG += tl.dot(b_doc, b_Gc)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * b_doG
         acc_q, b_dphi = _rotated_back_out(
-            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb + o_b, T, N, H * N, r0, BT,
+            b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP,
         )  # fmt: skip
 
@@ -395,7 +396,7 @@ if triton is not None:
                            * b_dGc.to(tl.float32), axis=1)  # fmt: skip
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * b_xdG
         acc_k, b_dphik = _rotated_back_out(
-            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb + o_b, T, N, H * N, r0, BT,
+            b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP,
         )  # fmt: skip
         _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR)

@@ -106,6 +106,9 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, 
         if isinstance(val, torch.Tensor):
             signature[name] = "*" + _TYPES[val.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif val is None:  # an absent optional pointer, compiled out (``is None`` in the kernel)
+            signature[name] = "constexpr"
+            consts[name] = None
         elif isinstance(val, bool):
             signature[name] = "i1"
         elif isinstance(val, int):
@@ -164,9 +167,15 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
 
 def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
     """Compile every kernel of one forward+backward under ``plan`` for ``sm_<arch>``; one report
-    per kernel."""
+    per kernel, and one more of the chunk kernel with q, k per head (``bwd_chunk/h``: it then
+    forms the bias partials itself, the head sum's work with grouped q, k)."""
     out = []
     launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk, **shape)
+    per_head = dict(shape, g=shape.get("h", 4))
+    launches += [(f"{name}/h", *rest)
+                 for name, *rest in record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
+                                                    **per_head)
+                 if name == "bwd_chunk"]  # fmt: skip
     for name, kern, args, ce, cfg in launches:
         ck = compile_kernel(kern, args, ce, cfg, arch)
         res = _ptxas(ck.asm["ptx"], arch)

@@ -300,8 +300,9 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     bv (launch plan fields, two pipeline stages; g = 1, four heads, t = 1000: a partial last
     chunk, and a partial last block of chunks at cpp 3) gives the gradients of one head, chunk
     and pass a program: dq, dk within the bf16 rounding of the per-head partials and of dS (summed
-    over the blocks of p before it is rounded), the rest within 1e-3 (the same arithmetic,
-    compiled in loops); and two calls are bitwise equal."""
+    over the blocks of p before it is rounded), and so the bias gradients (summed from those
+    bf16 partials at one head a program, in fp32 at several), the rest within 1e-3 (the same
+    arithmetic, compiled in loops); and two calls are bitwise equal."""
     from kernels.mamba3 import triton_common as tc
     from kernels.mamba3 import triton_siso
 
@@ -322,7 +323,7 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     second = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
     assert all(torch.equal(first[k], second[k]) for k in first)
     for name in base:
-        bound = 1e-2 if name in ("q", "k") else 1e-3
+        bound = 1e-2 if name in ("q", "k", "q_bias", "k_bias") else 1e-3
         assert rel(first[name], base[name]) <= bound, (name, rel(first[name], base[name]))
 
 
