@@ -4,6 +4,7 @@ forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--chunk 64] [--no-ref] [--kernels] [--doc-len N] [--rounds 3]
+                                   [--shared-angles]
                                    [--variant NAME:KERNEL.FIELD=VALUE,... ...] [--row-width W ...]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
@@ -38,7 +39,9 @@ from plan_edits import edited_plan, parse_variant
 from kernels.mamba3 import mamba3_siso
 
 
-def make_inputs(b, t, h, p, n, s, g, seed=0):
+def make_inputs(b, t, h, p, n, s, g, seed=0, shared_angles=False):
+    """The scan's inputs on the GPU; with ``shared_angles`` one (b, t, 1, s) set of angles for
+    every head, as the model passes them, else (b, t, h, s)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*shape):
@@ -51,7 +54,7 @@ def make_inputs(b, t, h, p, n, s, g, seed=0):
         v=r(b, t, h, p).bfloat16(),
         adt=-F.softplus(r(b, h, t)) * dt, dt=dt, trap=r(b, h, t),
         q_bias=torch.ones(h, n), k_bias=torch.ones(h, n),
-        angles=r(b, t, h, s), d=torch.ones(h), z=r(b, t, h, p).bfloat16(),
+        angles=r(b, t, 1 if shared_angles else h, s), d=torch.ones(h), z=r(b, t, h, p).bfloat16(),
     )  # fmt: skip
     return {key: val.cuda() for key, val in x.items()}
 
@@ -76,9 +79,10 @@ def load_official():
 
 def official_fn(combined):
     """Our argument names onto the official entry point (positional: Q K V ADT DT Trap Q_bias
-    K_bias Angles D Z)."""
+    K_bias Angles D Z); shared angles expanded to every head, as its module does."""
 
     def fn(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size):
+        angles = angles.expand(-1, -1, v.shape[2], -1)
         return combined(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
                         chunk_size=chunk_size)  # fmt: skip
 
@@ -191,6 +195,12 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-ref", action="store_true", help="skip the PyTorch reference")
     ap.add_argument(
+        "--shared-angles",
+        action="store_true",
+        help="one (b, t, 1, s) set of angles for every head, as the model passes them (the "
+        "official kernel gets them expanded, as its module does)",
+    )
+    ap.add_argument(
         "--doc-len",
         type=int,
         default=0,
@@ -232,10 +242,11 @@ def main() -> None:
 
     import triton
 
-    x = make_inputs(a.b, a.t, a.h, a.p, a.n, a.s, a.g)
+    x = make_inputs(a.b, a.t, a.h, a.p, a.n, a.s, a.g, shared_angles=a.shared_angles)
     io_f = nbytes(x.values()) + nbytes([x["v"]])  # inputs + y
     io_fb = io_f + nbytes([x["v"]]) + nbytes(x.values())  # + dy + one gradient per input
     shape = f"b{a.b} t{a.t} h{a.h} p{a.p} n{a.n} s{a.s} g{a.g} chunk{a.chunk}"
+    shape += ", angles shared by the heads" if a.shared_angles else ""
     print(f"mamba3_siso on {torch.cuda.get_device_name()}, {shape}, bf16 with d and z")
     print(f"torch {torch.__version__}, triton {triton.__version__}")
 

@@ -2,7 +2,7 @@
 
     python bench/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                               [--chunk 64 ...] [--only bwd_chunk ...] [--dtype bf16]
-                              [--out kernels/mamba3/launch_table.py]
+                              [--out kernels/mamba3/launch_table.py] [--per-head-angles]
 
 One forward+backward runs with every launch recorded (and executed); then each kernel is timed
 alone, on the recorded arguments, under each candidate configuration (num_warps, num_stages,
@@ -10,7 +10,8 @@ ptxas maxnreg, the p block of the forward and the chunk kernel, the chunk kernel
 chunks a program), and the fastest is kept; ``--only`` tunes some kernels and keeps the table's
 plan for the rest. The result is merged into the table file under this GPU's architecture
 (``sm90`` …) and the tile-shape key, so a worker reads it at launch and never autotunes. The
-table is checked in; tests/kernels compiles every entry for sm_80 without a GPU.
+table is checked in; tests/kernels compiles every entry for sm_80 without a GPU. The angles are
+one set for every head, as the model passes them, unless ``--per-head-angles``.
 """
 
 from __future__ import annotations
@@ -190,18 +191,22 @@ def main() -> None:
                     help="tune these kernels; the others keep this GPU's table entry at each "
                     "chunk (the defaults where it has none)")  # fmt: skip
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--per-head-angles", action="store_true",
+                    help="(b, t, h, s) angles; by default one set for every head, as the model "
+                    "passes them (the angle kernel then sums the heads' gradients)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
     a = ap.parse_args()
 
     from bench_scan_gpu import make_inputs
 
-    x = make_inputs(a.b, a.t, a.h, a.p, a.n, a.s, a.g)
+    x = make_inputs(a.b, a.t, a.h, a.p, a.n, a.s, a.g, shared_angles=not a.per_head_angles)
     dtype = _DTYPES[a.dtype]
     for key in ("q", "k", "v", "z"):
         x[key] = x[key].to(dtype)
     arch = tc.arch_key(x["v"].device)
+    angles = "per head" if a.per_head_angles else "shared"
     print(f"tuning on {torch.cuda.get_device_name()} ({arch}), b{a.b} t{a.t} h{a.h} p{a.p} "
-          f"n{a.n} s{a.s} g{a.g} {a.dtype}")  # fmt: skip
+          f"n{a.n} s{a.s} g{a.g} {a.dtype}, angles {angles}")  # fmt: skip
     results, starts = {}, {}
     for chunk in a.chunk:
         print(f"\nchunk {chunk}")
