@@ -51,7 +51,10 @@ CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
                   C(4, 1, 168, bv=32), C(4, 2, 168, bv=32), C(4, 1, 168, bv=16),
                   C(8, 1, 128, bv=32), C(4, 1, wg=1), C(4, 1, 168, wg=1), C(4, 1, 128, wg=1),
                   C(8, 1, 128, wg=1)],
-    "bwd_angle": [C(2, 1), C(4, 1)],
+    # hb: with shared angles, the heads in blocks, a program each (their sums added after,
+    # timed with the kernel): more programs than the b·chunks that take every head in turn.
+    "bwd_angle": [C(2, 1), C(4, 1), C(1, 1), C(2, 1, hb=4), C(4, 1, hb=2), C(4, 1, hb=4),
+                  C(4, 1, hb=8), C(2, 1, hb=8), C(1, 1, hb=8)],
 }  # fmt: skip
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -90,9 +93,10 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
     """Time each kernel of ``names`` alone under each candidate at this chunk, the others under
     ``start`` (the defaults when None); returns the sum of the best times (ms) and {kernel: best
     config as a dict}. A candidate that changes a launch's grid, buffers or flags (a ``bv``,
-    ``hpp``, ``cpp`` or ``wg`` other than the starting one's) is recorded afresh from a
+    ``hpp``, ``cpp``, ``wg`` or ``hb`` other than the starting one's) is recorded afresh from a
     forward+backward under it;
-    a kernel's follower (FOLLOWERS) is timed with it."""
+    a kernel's follower (FOLLOWERS) is timed with it, and the angle kernel with its head
+    blocks' sum."""
     import triton.testing
 
     start = dict(start or tc.DEFAULT_CONFIGS)
@@ -106,14 +110,20 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
             try:
                 default = start[name]
                 launches = base
-                if (cfg.bv, cfg.hpp, cfg.cpp, cfg.wg) != (default.bv, default.hpp, default.cpp,
-                                                           default.wg):  # fmt: skip
+                fields = ("bv", "hpp", "cpp", "wg", "hb")
+                if any(getattr(cfg, f) != getattr(default, f) for f in fields):
                     launches = record(x, tc.Plan(chunk, dict(start, **{name: cfg})))
                 kern, grid, args, ce, _ = launches[name]
                 follower = launches.get(FOLLOWERS.get(name, ""))
 
-                def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg, follower=follower):
+                # The angle kernel's head blocks (shared angles, hb > 1) are summed after it.
+                blocks = name == "bwd_angle" and ce.get("HSUM") and args[4].shape[2] > 1
+
+                def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg, follower=follower,
+                         blocks=blocks):  # fmt: skip
                     kern[grid](*args, **ce, **cfg.launch_kwargs())
+                    if blocks:
+                        args[4].sum(2, keepdim=True)
                     if follower is not None:
                         f_kern, f_grid, f_args, f_ce, f_cfg = follower
                         f_kern[f_grid](*f_args, **f_ce, **f_cfg.launch_kwargs())

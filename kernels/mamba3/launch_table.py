@@ -12,21 +12,21 @@ tests/kernels/test_triton_cpu.py compiles every entry for sm_80 and sm_90 withou
 TABLE: dict[str, dict[str, dict[str, dict]]] = {
     "sm90": {
         "c16-p64-n64-bf16": {
-            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_angle": {"bv": 0, "hb": 8, "maxnreg": None, "num_stages": 1, "num_warps": 1},
             "bwd_chunk": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
             "bwd_dstate": {"bv": 0, "maxnreg": 128, "num_stages": 2, "num_warps": 4},
             "chunk": 32,
             "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4, "wg": 1},
         },
         "c32-p64-n64-bf16": {
-            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_angle": {"bv": 0, "hb": 8, "maxnreg": None, "num_stages": 1, "num_warps": 1},
             "bwd_chunk": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
             "bwd_dstate": {"bv": 0, "maxnreg": 128, "num_stages": 2, "num_warps": 4},
             "chunk": 32,
             "fwd": {"bv": 0, "maxnreg": None, "num_stages": 3, "num_warps": 4, "wg": 1},
         },
         "c64-p64-n64-bf16": {
-            "bwd_angle": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 4},
+            "bwd_angle": {"bv": 0, "hb": 8, "maxnreg": None, "num_stages": 1, "num_warps": 1},
             "bwd_chunk": {"bv": 0, "maxnreg": None, "num_stages": 1, "num_warps": 2},
             "bwd_dstate": {"bv": 0, "maxnreg": 128, "num_stages": 2, "num_warps": 4},
             "chunk": 32,

@@ -109,7 +109,9 @@ class LaunchConfig:
     ``cpp`` it takes in turn (with num_stages > 1, a chunk's loads overlap the work on the
     one before). ``wg`` 1 has the forward and the chunk kernel (in one pass over p; its
     p-block body ignores it) form their (chunk × 64) products transposed (:func:`dot_t`), as
-    warpgroup MMAs on sm_90."""
+    warpgroup MMAs on sm_90. ``hb``, for the angle kernel with one set of angles for every
+    head: the blocks the heads are split into (the largest divisor of h not above it), a
+    program each, their summed gradients added after (1: a program takes every head)."""
 
     num_warps: int
     num_stages: int
@@ -118,6 +120,7 @@ class LaunchConfig:
     hpp: int = 1
     cpp: int = 1
     wg: int = 0
+    hb: int = 1
 
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -128,7 +131,7 @@ class LaunchConfig:
     def as_dict(self) -> dict:
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
-        for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0)):  # named where not default
+        for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0), ("hb", 1)):  # where not default
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out

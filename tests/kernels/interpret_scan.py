@@ -47,10 +47,11 @@ from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
 # ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv`` /
-# ``wg``: a launch plan other than the defaults (kernels at another chunk than the caller's; the
-# forward or the backward's state kernel in blocks of p rows; its chunk kernel taking that many
-# heads of a group, or chunks, in turn, or p in blocks; the forward's and the chunk kernel's
-# wide products formed transposed).
+# ``wg`` / ``angle_hb``: a launch plan other than the defaults (kernels at another chunk than the
+# caller's; the forward or the backward's state kernel in blocks of p rows; its chunk kernel
+# taking that many heads of a group, or chunks, in turn, or p in blocks; the forward's and the
+# chunk kernel's wide products formed transposed; the angle kernel's heads in blocks).
+# ``shared``: one set of angles for every head, (b, t, 1, s), as the model passes them.
 CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=False, d=True, z=True),
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=64, state=True, d=True, z=True,
@@ -87,10 +88,15 @@ CASES = [
     dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True, wg=1),
     dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=16, state=False, d=False, z=True,
          reset=((0, 1, 16, 33), (0, 20, 21)), wg=1),
+    # Shared angles: every head in one angle program, and in two blocks of two.
+    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
+         shared=True),
+    dict(b=2, t=70, h=4, p=16, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
+         shared=True, angle_hb=2, reset=((0, 33), (0, 5, 40))),
 ]  # fmt: skip
 
 
-def inputs(b, t, h, p, n, s, g, d, z, gen):
+def inputs(b, t, h, p, n, s, g, d, z, gen, shared=False):
     def r(*shape):
         return torch.randn(*shape, generator=gen)
 
@@ -98,7 +104,8 @@ def inputs(b, t, h, p, n, s, g, d, z, gen):
     return dict(
         q=F.rms_norm(r(b, t, g, n), (n,)), k=F.rms_norm(r(b, t, g, n), (n,)), v=r(b, t, h, p),
         adt=torch.clamp(-F.softplus(r(b, h, t)), max=-1e-4) * dt, dt=dt, trap=r(b, h, t),
-        q_bias=1 + 0.1 * r(h, n), k_bias=1 + 0.1 * r(h, n), angles=2 * r(b, t, h, s),
+        q_bias=1 + 0.1 * r(h, n), k_bias=1 + 0.1 * r(h, n),
+        angles=2 * r(b, t, 1 if shared else h, s),
         d=r(h) if d else None, z=r(b, t, h, p) if z else None,
     )  # fmt: skip
 
@@ -168,6 +175,9 @@ def main() -> None:
                                                         bv=c.pop("chunk_bv", 0),
                                                         hpp=c.pop("chunk_hpp", 1),
                                                         cpp=c.pop("chunk_cpp", 1))  # fmt: skip
+        if "angle_hb" in c:
+            plan.configs["bwd_angle"] = dataclasses.replace(plan.configs["bwd_angle"],
+                                                            hb=c.pop("angle_hb"))  # fmt: skip
         if c.pop("wg", 0):
             for kernel in ("fwd", "bwd_chunk"):
                 plan.configs[kernel] = dataclasses.replace(plan.configs[kernel], wg=1)
