@@ -79,9 +79,10 @@ if triton is not None:
 HEAD_SUM = LaunchConfig(num_warps=8, num_stages=1)
 HEAD_SUM_ROWS = 16
 # With the bias partials: one warp, so that a head's column sum stays inside it (shuffles, no
-# barrier), over 64 rows. At that shape, with the param sum: 100 µs, against 662 µs at the
+# barrier), over 64 rows. At that shape, with the param sum: 100 µs, against 686 µs at the
 # launch above (each head's sum crossed its warps: a barrier each, the loop's loads no longer
-# unrolled) and 105–127 µs at 2 or 4 warps, 32–128 rows, 1 or 2 stages (docs/benchmarks.md).
+# unrolled), 105–394 µs at 2 or 4 warps and 112–327 µs at one warp over 16, 32 or 128 rows
+# (1 or 2 stages alike; docs/benchmarks.md, 2026-12-03 (second)).
 HEAD_SUM_PARTS = LaunchConfig(num_warps=1, num_stages=1)
 HEAD_SUM_PARTS_ROWS = 64
 PARAM_SUM = LaunchConfig(num_warps=4, num_stages=2)
