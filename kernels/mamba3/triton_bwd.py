@@ -304,7 +304,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
             dqb, dkb = pq, pk
 
     # 3. The angle gradients and the trapezoid chain rule, chunk by chunk (shared angles: each
-    # program takes a chunk of every head of a batch, and sums their angle gradients).
+    # program takes a chunk of a block of a batch's heads, and sums their angle gradients).
     ddt, dtrap = torch.empty(b, h, t, **f32), torch.empty(b, h, t, **f32)
     dphi0 = torch.empty(b, h, s, **f32)
     hb = 1

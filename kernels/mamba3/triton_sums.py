@@ -1,5 +1,5 @@
 """The two small kernels that end the scan's backward by summing partials, streaming and
-deterministic (fixed order, no atomics), each with a fixed launch (no table entry):
+deterministic (fixed order, no atomics), with fixed launches (no table entry):
 
 * ``siso_bwd_head_sum_kernel`` (grouped q, k only; grid: row blocks × 2·groups): each group's
   per-head (or per-block of heads) ``dq, dk`` summed in fp32, in head order, and written in the
