@@ -187,35 +187,26 @@ if triton is not None:
     def siso_bwd_angle_kernel(
         dt, trap, angles, dphi, dth, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
         T, NC, H, S, HPB, s_ab, s_at, s_ah, s_as,
-        BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr, HSUM: tl.constexpr,
+        BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr,
     ):  # fmt: skip
-        """Chunk i_c of one (batch, head) (:func:`_angle_head`), its θ̃ gradient stored in
-        ``dth`` ((b, t, h, S), in place of dΦ in ``dphi``); or, with HSUM (one set of angles
-        for every head), chunk i_c of a block of HPB heads of one batch in turn, their θ̃
-        gradients summed in head order into the block's slot of ``dth`` ((b, t, H/HPB, S)): no
-        per-head gradient is written for a sum to read back."""
+        """Chunk i_c of a block of HPB heads of one batch in turn (:func:`_angle_head`), their
+        θ̃ gradients summed in head order into the block's slot of ``dth`` ((b, t, H/HPB, S)).
+        Per-head angles take one head a block (dth is then dphi: the gradient in place of dΦ);
+        one set of angles for every head (head stride 0) may take several, so no per-head
+        gradient is written for a sum to read back."""
         i_c, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)
         o_tc = i_c * BT + tl.arange(0, BT)
         o_m = tl.arange(0, BR)
         m_a = (o_tc < T)[:, None] & (o_m < S)[None, :]
         HB = H // HPB
-        if HSUM:
-            i_b, i_h = i_p // HB, 0  # the heads' angles are one set: head 0's serve every head
-        else:
-            i_b, i_h = i_p // H, i_p % H
-        p_a = angles + i_b * s_ab + i_h * s_ah + o_tc[:, None] * s_at + o_m[None, :] * s_as
+        i_b, i_k = i_p // HB, i_p % HB
+        p_a = angles + i_b * s_ab + i_k * HPB * s_ah + o_tc[:, None] * s_at + o_m[None, :] * s_as
         b_th = tanh(tl.load(p_a, mask=m_a, other=0.0))
-        if HSUM:
-            i_k = i_p % HB
-            b_g = tl.zeros([BT, BR], dtype=tl.float32)
-            for i_hs in range(i_k * HPB, i_k * HPB + HPB):
-                b_g += _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
-                                   b_th, i_c, i_b, i_hs, T, NC, H, S, BT, BR, BNC)  # fmt: skip
-            p_o = dth + (i_b * T * HB + i_k) * S + o_tc[:, None] * (HB * S) + o_m[None, :]
-        else:
-            b_g = _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th,
-                              i_c, i_b, i_h, T, NC, H, S, BT, BR, BNC)  # fmt: skip
-            p_o = dth + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
+        b_g = tl.zeros([BT, BR], dtype=tl.float32)
+        for i_h in range(i_k * HPB, i_k * HPB + HPB):
+            b_g += _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th,
+                               i_c, i_b, i_h, T, NC, H, S, BT, BR, BNC)  # fmt: skip
+        p_o = dth + (i_b * T * HB + i_k) * S + o_tc[:, None] * (HB * S) + o_m[None, :]
         tl.store(p_o, b_g * PI * (1.0 - b_th * b_th), mask=m_a)
 
 
@@ -307,16 +298,15 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     # program takes a chunk of a block of a batch's heads, and sums their angle gradients).
     ddt, dtrap = torch.empty(b, h, t, **f32), torch.empty(b, h, t, **f32)
     dphi0 = torch.empty(b, h, s, **f32)
-    hb = 1
+    hb = h  # per-head angles: a block a head, the gradient in place of dΦ
     if shared:  # the heads in hb blocks (the largest divisor of h up to the plan's), each summed
         hb = max(j for j in range(1, min(cfgs["bwd_angle"].hb, h) + 1) if h % j == 0)
     dangles = torch.empty(b, t, hb, s, **f32) if shared else dphi
     args = (dt, trap, angles, dphi, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc,
-            h, s, h // hb if shared else 1, *a_strides)  # fmt: skip
-    flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)), HSUM=shared)
-    grid = (nc, b * hb if shared else b * h)
-    launch("bwd_angle", siso_bwd_angle_kernel, grid, args, flags, cfgs["bwd_angle"])
-    if hb > 1:  # the blocks' sums added in a fixed order (no atomics): deterministic
+            h, s, h // hb, *a_strides)  # fmt: skip
+    flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)))
+    launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * hb), args, flags, cfgs["bwd_angle"])
+    if shared and hb > 1:  # the blocks' sums added in a fixed order (no atomics): deterministic
         dangles = dangles.sum(2, keepdim=True)
     dq_bias, dk_bias, dd_h = param_sums(dqb, dkb, dd if d is not None else None)
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd_h, dphi0,
