@@ -116,14 +116,19 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None,
                 kern, grid, args, ce, _ = launches[name]
                 follower = launches.get(FOLLOWERS.get(name, ""))
 
-                # The angle kernel's head blocks (shared angles, hb > 1) are summed after it.
-                blocks = name == "bwd_angle" and ce.get("HSUM") and args[4].shape[2] > 1
+                # The angle kernel's head blocks (shared angles: head stride 0; hb > 1) are
+                # summed after it.
+                blocks = None
+                if name == "bwd_angle":
+                    arg = dict(zip(kern.arg_names, args, strict=False))
+                    if arg["s_ah"] == 0 and arg["dth"].shape[2] > 1:
+                        blocks = arg["dth"]
 
                 def call(kern=kern, grid=grid, args=args, ce=ce, cfg=cfg, follower=follower,
                          blocks=blocks):  # fmt: skip
                     kern[grid](*args, **ce, **cfg.launch_kwargs())
-                    if blocks:
-                        args[4].sum(2, keepdim=True)
+                    if blocks is not None:
+                        blocks.sum(2, keepdim=True)
                     if follower is not None:
                         f_kern, f_grid, f_args, f_ce, f_cfg = follower
                         f_kern[f_grid](*f_args, **f_ce, **f_cfg.launch_kwargs())

@@ -132,10 +132,12 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, 
 
 
 def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
-                    cfgs: dict[str, tc.LaunchConfig] | None = None):  # fmt: skip
+                    cfgs: dict[str, tc.LaunchConfig] | None = None,
+                    per_head_qk: bool = False):  # fmt: skip
     """Run the forward and backward launchers on meta tensors; returns every launch they make as
     (name, kernel, args, constexprs, cfg), with d, z, an initial state and resets present (the
-    largest variant of each kernel)."""
+    largest variant of each kernel); q, k in g groups, or with ``per_head_qk`` one a head."""
+    g = h if per_head_qk else g
     from .triton_bwd import siso_bwd
     from .triton_fwd import siso_fwd
 
@@ -171,10 +173,9 @@ def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
     forms the bias partials itself, the head sum's work with grouped q, k)."""
     out = []
     launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk, **shape)
-    per_head = dict(shape, g=shape.get("h", 4))
     launches += [(f"{name}/h", *rest)
                  for name, *rest in record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
-                                                    **per_head)
+                                                    per_head_qk=True, **shape)
                  if name == "bwd_chunk"]  # fmt: skip
     for name, kern, args, ce, cfg in launches:
         ck = compile_kernel(kern, args, ce, cfg, arch)

@@ -200,7 +200,7 @@ def mamba3_siso_triton(
     packed = zv is not None
     if packed:
         zv = zv if zv.stride(-1) == 1 else zv.contiguous()
-        v, z = zv[:, :, 1], None
+        v, z = _unpack(zv, None, packed)[0], None
     h = v.shape[2]
     reason = shape_error(v, n, chunk_size)
     if reason is not None:
