@@ -155,7 +155,11 @@ if triton is not None:
         m_a = m_t[:, None] & m_s[None, :]
 
         # Σ over the later chunks, in blocks of BNC chunk totals: one pass, no subtraction.
-        b_after = tl.load(dphi_t + i_bh * S + o_m, mask=m_s, other=0.0)
+        # (dphi_t None: the final angle has no gradient.)
+        if dphi_t is None:
+            b_after = tl.zeros([BR], dtype=tl.float32)
+        else:
+            b_after = tl.load(dphi_t + i_bh * S + o_m, mask=m_s, other=0.0)
         p_c = dphi_c + i_bh * NC * BR
         for j0 in range(i_c + 1, NC, BNC):
             o_jc = j0 + o_j
@@ -216,7 +220,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     """Launch the kernels. Returns the gradients of every input of the forward kernel:
     dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles
     (in the angles' shape: (b, t, 1, s), summed over heads, where they are one set for every
-    head), dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). With ``dzv`` (b, t, 2, h, p), z and v
+    head), dd (h,), dphi0 (b, h, s), dg0 (b, h, p, n). ``dg_t``, ``dphi_t``: the final state's
+    and angle's gradients, or None where they have none. With ``dzv`` (b, t, 2, h, p), z and v
     packed in one tensor (z first), dz and dv are written into its halves, and returned as those
     views."""
     b, t, g, n = q.shape

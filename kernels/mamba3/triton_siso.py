@@ -82,7 +82,7 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk
 def siso_bwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, dt: Tensor,
                 trap: Tensor, q_bias: Tensor, k_bias: Tensor, angles: Tensor, d: Tensor | None,
                 seg: Tensor | None, g_in: Tensor, phi_in: Tensor, dy: Tensor,
-                dg_t: Tensor | None, dphi_t: Tensor, chunk_size: int,
+                dg_t: Tensor | None, dphi_t: Tensor | None, chunk_size: int,
                 packed: bool) -> list[Tensor]:  # fmt: skip
     """The gradient of every input of :func:`siso_fwd_op` (dz, dd empty without z, d; with
     ``packed``, the packed gradient of z and v in dv's place and dz empty)."""
@@ -137,12 +137,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
     (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
      phi_in) = ctx.saved_tensors  # fmt: skip
-    x = _unpack(v, z, ctx.packed)[0]
-    b, h, s = x.shape[0], x.shape[2], angles.shape[3]
-    dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-    if dphi_t is None:
-        dphi_t = torch.zeros(b, h, s, dtype=torch.float32, device=v.device)
-    dphi_t = dphi_t.float().contiguous()
+    dy = torch.zeros_like(_unpack(v, z, ctx.packed)[0]) if dy is None else dy.contiguous()
+    # A final angle or state without a gradient (training: neither is used) stays None: the
+    # kernels read no zeros for it.
+    if dphi_t is not None:
+        dphi_t = dphi_t.float().contiguous()
     if dg_t is not None:
         dg_t = dg_t.float().contiguous()
     (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd, dphi0,
