@@ -64,36 +64,45 @@ def _grid(rows: int, hidden: int) -> tuple[int, int]:
     return (rows, triton.cdiv(hidden, BLOCK))
 
 
+# ``w`` is the master weight, whose gradient the operators return in its dtype; ``wc`` is it in
+# gu's dtype (``w`` itself when they agree), the products' operand. Cast once, outside, where
+# inductor forms it, it is saved for the backward rather than cast again there; and the weight
+# gradient comes out of its product in w's dtype (fp32 accumulation written as it is), not
+# rounded to gu's and cast back: two small kernels a layer and micro-batch fewer each way.
+
+
 @torch.library.custom_op("m3run::swiglu_down", mutates_args=())
-def swiglu_down_op(gu: Tensor, w: Tensor) -> Tensor:
+def swiglu_down_op(gu: Tensor, w: Tensor, wc: Tensor) -> Tensor:
     """(…, 2·d_hidden) gate/up, (d_model, d_hidden) down weight → (…, d_model) in gu's dtype."""
     hidden = w.shape[1]
     rows = gu.numel() // (2 * hidden)
     h = gu.new_empty(*gu.shape[:-1], hidden)
     swiglu_fwd_kernel[_grid(rows, hidden)](gu, h, hidden, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    return torch.nn.functional.linear(h, w.to(gu.dtype))
+    return torch.nn.functional.linear(h, wc)
 
 
 @swiglu_down_op.register_fake
-def _(gu, w):
+def _(gu, w, wc):
     return gu.new_empty(*gu.shape[:-1], w.shape[0])
 
 
 @torch.library.custom_op("m3run::swiglu_down_bwd", mutates_args=())
-def swiglu_down_bwd_op(gu: Tensor, w: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def swiglu_down_bwd_op(gu: Tensor, w: Tensor, wc: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of :func:`swiglu_down_op`: d(gu) in gu's dtype, dw in w's."""
     hidden, d_model = w.shape[1], w.shape[0]
     rows = gu.numel() // (2 * hidden)
     dy = dy.reshape(rows, d_model).to(gu.dtype)
-    dh = torch.mm(dy, w.to(gu.dtype))  # (rows, d_hidden)
+    dh = torch.mm(dy, wc)  # (rows, d_hidden)
     dgu, h = torch.empty_like(gu), gu.new_empty(rows, hidden)
     swiglu_bwd_kernel[_grid(rows, hidden)](gu, dh, dgu, h, hidden, BLOCK=BLOCK,
                                            num_warps=NUM_WARPS)  # fmt: skip
+    if h.is_cuda and w.dtype != h.dtype:  # cuBLAS writes its fp32 accumulator in w's dtype
+        return dgu, torch.mm(dy.t(), h, out_dtype=w.dtype)
     return dgu, torch.mm(dy.t(), h).to(w.dtype)
 
 
 @swiglu_down_bwd_op.register_fake
-def _(gu, w, dy):
+def _(gu, w, wc, dy):
     return torch.empty_like(gu), torch.empty_like(w)
 
 
@@ -102,8 +111,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
-    gu, w = ctx.saved_tensors
-    return swiglu_down_bwd_op(gu.contiguous(), w, dy.contiguous())
+    gu, w, wc = ctx.saved_tensors
+    return (*swiglu_down_bwd_op(gu.contiguous(), w, wc, dy.contiguous()), None)
 
 
 swiglu_down_op.register_autograd(_backward, setup_context=_setup_context)
@@ -125,4 +134,4 @@ def swiglu_down(gu: Tensor, w: Tensor) -> Tensor:
             f"gu's last dim must be 2·d_hidden = {2 * w.shape[1]} (w is {tuple(w.shape)}), "
             f"got {gu.shape[-1]}"
         )
-    return swiglu_down_op(gu.contiguous(), w)
+    return swiglu_down_op(gu.contiguous(), w, w.to(gu.dtype))

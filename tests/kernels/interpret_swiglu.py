@@ -40,8 +40,9 @@ def main() -> None:
     compiled = torch.compile(swiglu.swiglu_down, backend="aot_eager", fullgraph=True)
     for a, b in zip(run(compiled, gu, w, dy), got, strict=True):
         assert torch.equal(a, b), "compiled differs from eager"
-    torch.library.opcheck(swiglu.swiglu_down_op, (gu.requires_grad_(), w.requires_grad_()))
-    torch.library.opcheck(swiglu.swiglu_down_bwd_op, (gu.detach(), w.detach(), dy))
+    wc = w.detach().clone()  # the weight in gu's dtype: here the same values apart
+    torch.library.opcheck(swiglu.swiglu_down_op, (gu.requires_grad_(), w.requires_grad_(), wc))
+    torch.library.opcheck(swiglu.swiglu_down_bwd_op, (gu.detach(), w.detach(), wc, dy))
     print("ok")
 
 
