@@ -85,8 +85,9 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
 
 def parse_switch(item: str) -> tuple[object, str, int]:
     """``@MODULE.ATTR=INT`` or ``@MODULE.CLASS.ATTR=INT`` → (owner, attribute, value): one of the
-    code's module or class constants (``@kernels.swiglu.BLOCK=2048``), checked to exist and
-    to hold an int or a bool."""
+    code's module or class constants (``@kernels.swiglu.BLOCK=2048``) or a library's option
+    (``@torch._inductor.config.triton.mix_order_reduction_split_size=64``), checked to exist
+    and to hold an int, a bool or None (an option left to the library)."""
     path, _, value = item[1:].partition("=")
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -97,13 +98,14 @@ def parse_switch(item: str) -> tuple[object, str, int]:
         for name in parts[cut:-1]:
             owner = getattr(owner, name, None)
         attr = parts[-1]
-        known = owner is not None and isinstance(getattr(owner, attr, None), int)
+        known = owner is not None and hasattr(owner, attr)
+        known = known and (getattr(owner, attr) is None or isinstance(getattr(owner, attr), int))
         if known and value.lstrip("-").isdigit():
             return owner, attr, int(value)
         break
     raise SystemExit(
-        f"--variant switch {item!r}: give @MODULE[.CLASS].ATTR=INT naming an int or bool "
-        "constant of the code"
+        f"--variant switch {item!r}: give @MODULE[.CLASS].ATTR=INT naming an int, bool or "
+        "unset (None) constant of the code or option of a library"
     )
 
 

@@ -29,9 +29,12 @@ C = tc.LaunchConfig
 CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
     # bv 32: twice the sequential programs (b·h·2, one per p half), each with half the state
     # tile; slower than whole p on an earlier forward (docs/benchmarks.md), retried on this one.
-    # wg 1: the wide products transposed (64 rows), warpgroup MMAs on sm_90.
+    # wg 1: the wide products transposed (64 rows), warpgroup MMAs on sm_90. maxnreg 128: four
+    # programs an SM instead of two, so b·h ≤ 528 sequential programs run in one wave on an
+    # H200 (388 B of spills a thread at 3 stages, 368 B at 1; sm_90, ptxas).
     "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 3, 168), C(4, 2, bv=32), C(4, 3, bv=32),
-            C(2, 3, bv=32), C(4, 2, wg=1), C(4, 3, wg=1)],
+            C(2, 3, bv=32), C(4, 2, wg=1), C(4, 3, wg=1), C(4, 1, 128, wg=1),
+            C(4, 2, 128, wg=1), C(4, 3, 128, wg=1)],
     # maxnreg 128 at bv 0: four programs an SM, so b·h ≤ 528 sequential programs run in one
     # wave on an H200 (no spills on sm_90 since the kernel only carries dG).
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
