@@ -68,7 +68,7 @@ def _grid(rows: int, hidden: int) -> tuple[int, int]:
 # gu's dtype (``w`` itself when they agree), the products' operand. Cast once, outside, where
 # inductor forms it, it is saved for the backward rather than cast again there; and the weight
 # gradient comes out of its product in w's dtype (fp32 accumulation written as it is), not
-# rounded to gu's and cast back: two small kernels a layer and micro-batch fewer each way.
+# rounded to gu's and cast back: two small kernels fewer in each layer's backward.
 
 
 @torch.library.custom_op("m3run::swiglu_down", mutates_args=())
