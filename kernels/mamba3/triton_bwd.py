@@ -79,6 +79,7 @@ if triton is not None:
         T, NC, H, HPG, P, N, S, s_zb, s_zt, s_zh, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         BR: tl.constexpr, HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
+        DENSE: tl.constexpr,
     ):  # fmt: skip
         """Rows i_v·BV.. of dG for one (batch, head), chunks in reverse. See the module
         docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` is (b·h, nc, BP, BN) in the
@@ -100,19 +101,19 @@ if triton is not None:
         o_t = tl.arange(0, BT)
         o_m = tl.arange(0, BR)
         o_n = tl.arange(0, 2 * BN2)
-        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_qb = tl.load(q_bias + i_h * N + o_n, mask=(o_n < N) | DENSE, other=0.0)
         DT = dg_out.dtype.element_ty
 
         o_g = i_bh.to(tl.int64) * P * N
         if HAS_DGT:
-            b_dG = load_tile(tile_ptr(dg_t + o_g, P, N, N, v0, BV, 2 * BN2))
+            b_dG = load_tile(tile_ptr(dg_t + o_g, P, N, N, v0, BV, 2 * BN2, DENSE))
         else:
             b_dG = tl.zeros([BV, 2 * BN2], dtype=tl.float32)
 
         for i_r in range(NC):
             i_c = NC - 1 - i_r
             o_tc = i_c * BT + o_t
-            m_t = o_tc < T
+            m_t = (o_tc < T) | DENSE
             r0 = i_c * BT
             b_dt, _, _, b_A2, b_AL2 = chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT)
             b_eA = tl.exp2(b_A2)
@@ -127,13 +128,14 @@ if triton is not None:
             store_dense(dg_out + o_gc, v0, b_dG, BV, 2 * BN2)
 
             b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BR + o_m)
-            b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
-            b_qc = rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2), b_qb, b_cos, b_sin,
-                                DT, BT, BN2, BR)  # fmt: skip
-            b_do, _ = gate(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)
+            b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR,
+                                          DENSE)  # fmt: skip
+            b_qc = rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2, DENSE), b_qb, b_cos,
+                                b_sin, DT, BT, BN2, BR)  # fmt: skip
+            b_do, _ = gate(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z, DENSE)
             b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
-        store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2), b_dG)
+        store_tile(tile_ptr(dg0 + o_g, P, N, N, v0, BV, 2 * BN2, DENSE), b_dG)
 
     @triton.jit
     def _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th, i_c,
@@ -249,7 +251,8 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
             dg_t if dg_t is not None else dg0, seg_, dg_out, dg0,
             t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, BR=BR, HAS_Z=z is not None,
-                 HAS_DGT=dg_t is not None, HAS_RESET=seg is not None)  # fmt: skip
+                 HAS_DGT=dg_t is not None, HAS_RESET=seg is not None,
+                 DENSE=tiles.dense(t, p, n, s))  # fmt: skip
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
     # 2. Every chunk's gradients: a program takes a (chunk, batch, head), or under the plan's
@@ -290,7 +293,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
     flags = dict(BT=BT, BP=BP, BN2=BN2, BR=BR, HPP=hpp, CPP=cpp, HAS_D=d is not None,
                  HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
-                 WG=bool(cfgs["bwd_chunk"].wg))  # fmt: skip
+                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=tiles.dense(t, p, n, s))  # fmt: skip
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out

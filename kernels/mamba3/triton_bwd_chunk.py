@@ -81,13 +81,13 @@ if triton is not None:
 
     @triton.jit
     def gate(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
-              HAS_Z: tl.constexpr):  # fmt: skip
+              HAS_Z: tl.constexpr, DENSE: tl.constexpr = False):  # fmt: skip
         """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
         columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
         dy ⊙ silu'(z), which times the pre-gate output is dz (without z: dy, and dy again)."""
-        b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV)).to(tl.float32)
+        b_dy = load_tile(tile_ptr(dy, T, P, s_yt, r0, BT, BV, DENSE)).to(tl.float32)
         if HAS_Z:
-            b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV)).to(tl.float32)
+            b_z = load_tile(tile_ptr(z, T, P, s_zt, r0, BT, BV, DENSE)).to(tl.float32)
             b_sg = sigmoid(b_z)
             b_silu = b_z * b_sg  # silu'(z) = σ + silu(z)·(1 − σ): five operations, not six
             return b_dy * b_silu, b_dy * (b_sg + b_silu * (1.0 - b_sg))
@@ -95,7 +95,7 @@ if triton is not None:
 
     @triton.jit
     def _decays(adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT: tl.constexpr,
-                HAS_RESET: tl.constexpr):  # fmt: skip
+                HAS_RESET: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """One chunk's per-token scalars (``o_s`` offsets the (batch, head) row): Δ, λΔ, w, the
         cumulative decay A and its last value A_L (log2), exp(A), exp(A_L − A), exp(A_L − A)·w,
         the masks of the pairs below the diagonal (in one segment) and on it, and whether the
@@ -104,7 +104,7 @@ if triton is not None:
         of spills.)"""
         o_t = tl.arange(0, BT)
         o_tc = i_c * BT + o_t
-        m_t = o_tc < T
+        m_t = (o_tc < T) | DENSE
         b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
                                                       o_tc, m_t, o_t, BT)  # fmt: skip
         b_eA = tl.exp2(b_A2)
@@ -122,21 +122,22 @@ if triton is not None:
     @triton.jit
     def _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc, m_t, i_c, i_b, i_h, T,
                     NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as, DT: tl.constexpr, BT: tl.constexpr,
-                    BN2: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                    BN2: tl.constexpr, BR: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """cos Φ, sin Φ (of the BR rotated pairs) of one chunk of one head, and its q̄, k̄ (dot
         dtype DT)."""
         G = H // HPG
         o_m = tl.arange(0, BR)
         o_n = tl.arange(0, 2 * BN2)
         o_qk = (i_b * T * G + i_h // HPG) * N
-        p_q = tile_ptr(q + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
-        p_k = tile_ptr(k + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2)
+        p_q = tile_ptr(q + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2, DENSE)
+        p_k = tile_ptr(k + o_qk, T, N, G * N, i_c * BT, BT, 2 * BN2, DENSE)
         b_phi0 = tl.load(phi_in + ((i_b * H + i_h) * NC + i_c) * BR + o_m)
         p_a = angles + i_b * s_ab + i_h * s_ah
-        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
-        b_qb = tl.load(q_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_cos, b_sin, _ = chunk_phase(p_a, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR, DENSE)
+        m_n = (o_n < N) | DENSE
+        b_qb = tl.load(q_bias + i_h * N + o_n, mask=m_n, other=0.0)
         b_qc = rotated_tile(p_q, b_qb, b_cos, b_sin, DT, BT, BN2, BR)
-        b_kb = tl.load(k_bias + i_h * N + o_n, mask=o_n < N, other=0.0)
+        b_kb = tl.load(k_bias + i_h * N + o_n, mask=m_n, other=0.0)
         b_kc = rotated_tile(p_k, b_kb, b_cos, b_sin, DT, BT, BN2, BR)
         return b_cos, b_sin, b_qc, b_kc
 
@@ -162,7 +163,7 @@ if triton is not None:
     @triton.jit
     def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, bias, o_b, T, N, row_stride, r0,
                           BT: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
-                          HPP: tl.constexpr):  # fmt: skip
+                          HPP: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """The gradient ``b_dr`` (fp32) of the rotated tile ā = ``b_r`` rotated back: stored
         (HPP = 1) as the tile at row r0 of ``out`` (T × N, rows ``row_stride`` apart; its
         pointers formed here, at the store, not held before) or added to ``acc``, and its column
@@ -170,7 +171,7 @@ if triton is not None:
         forms them). Returns ``acc`` and the angle gradient of the BR rotated pairs."""
         b_da, b_dphi = _rotate_back(b_dr, b_r, b_cos, b_sin, BT, BN2, BR)
         if HPP == 1:
-            store_tile(tile_ptr(out, T, N, row_stride, r0, BT, 2 * BN2), b_da)
+            store_tile(tile_ptr(out, T, N, row_stride, r0, BT, 2 * BN2, DENSE), b_da)
         else:
             acc += b_da
         if bias is not None:
@@ -182,7 +183,7 @@ if triton is not None:
 
     @triton.jit
     def _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT: tl.constexpr, BP: tl.constexpr,
-                 BN2: tl.constexpr):  # fmt: skip
+                 BN2: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """Where chunk i_c of head i_h of batch i_b lies: its token positions and their mask, its
         first row, and the offsets of its (batch, head) row of the per-token scalars, of dy
         ((b, t, h, p) contiguous; dv and dz, which may be the halves of one tensor, take their
@@ -190,18 +191,18 @@ if triton is not None:
         its states."""
         i_bh = i_b * H + i_h
         o_tc = i_c * BT + tl.arange(0, BT)
-        return (o_tc, o_tc < T, i_c * BT, i_bh * T, (i_b * T * H + i_h) * P,
+        return (o_tc, (o_tc < T) | DENSE, i_c * BT, i_bh * T, (i_b * T * H + i_h) * P,
                 (i_b * T * H + i_h) * N, ((i_b * NC + i_c) * H + i_h) * N,
                 (i_bh * NC + i_c) * BP * 2 * BN2)  # fmt: skip
 
     @triton.jit
     def _angle_grads(b_dphiq, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S,
-                     BR: tl.constexpr):  # fmt: skip
+                     BR: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """dΦ per token (its q and k terms summed) of the chunk's tokens ``o_tc`` (masked by
         ``m_t``) of head i_h of batch i_b, stored in ``dphi`` ((b, t, h, S)), and its chunk sum
         in ``dphi_c`` ((b·h, nc, BR))."""
         o_m = tl.arange(0, BR)
-        m_a = m_t[:, None] & (o_m < S)[None, :]
+        m_a = m_t[:, None] & ((o_m < S) | DENSE)[None, :]
         p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
         b_dphi = tl.where(m_a, b_dphiq + b_dphik, 0.0)
         tl.store(p_d, b_dphi, mask=m_a)
@@ -233,6 +234,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, WG: tl.constexpr,
+        DENSE: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of head i_h of batch i_b: every gradient written, but with HPP > 1 dq and
         dk, which are added to the (BT × 2·BN2, fp32) ``acc_q``, ``acc_k`` and returned. With
@@ -240,18 +242,19 @@ if triton is not None:
         ``do`` and the gate's slope are pinned (:func:`pin`): left to the compiler, the gate was
         recomputed from dy and z in each layout ``do`` is used in, for every warp."""
         o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
-                                                             BP, BN2)  # fmt: skip
+                                                             BP, BN2, DENSE)  # fmt: skip
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
-            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
+            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET, DENSE
         )
-        b_x = load_tile(tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP))
+        b_x = load_tile(tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP, DENSE))
         DT = v.dtype.element_ty
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
-                                               s_at, s_ah, s_as, DT, BT, BN2, BR)  # fmt: skip
+                                               s_at, s_ah, s_as, DT, BT, BN2, BR,
+                                               DENSE)  # fmt: skip
         o_o = i_b * s_ob + i_h * P  # dv, dz
         b_do, b_gz = gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
-                          HAS_Z)  # fmt: skip
+                          HAS_Z, DENSE)  # fmt: skip
         if HAS_Z:
             b_do, b_gz = pin(b_do), pin(b_gz)
         b_doc = to_dot(b_do, DT)
@@ -274,11 +277,11 @@ if triton is not None:
             b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
             if HAS_D:
                 b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-            store_tile(tile_ptr(dz + o_o, T, P, s_ot, r0, BT, BP), b_gz * b_o)
+            store_tile(tile_ptr(dz + o_o, T, P, s_ot, r0, BT, BP, DENSE), b_gz * b_o)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * dot_t(b_doc, b_Gc, WG)
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
-            BN2, BR, HPP,
+            BN2, BR, HPP, DENSE,
         )  # fmt: skip
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
@@ -289,14 +292,15 @@ if triton is not None:
         b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
         if HAS_D:
             b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-        store_tile(tile_ptr(dv + o_o, T, P, s_ot, r0, BT, BP), b_dx)
+        store_tile(tile_ptr(dv + o_o, T, P, s_ot, r0, BT, BP, DENSE), b_dx)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * dot_t(b_x, b_dGc, WG)
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
-            BN2, BR, HPP,
+            BN2, BR, HPP, DENSE,
         )  # fmt: skip
 
-        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR,
+                     DENSE)  # fmt: skip
         # <dG_out, G_in> for ∂/∂A_L: both states are read again here (cache hits) rather than
         # held.
         b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
@@ -315,6 +319,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
+        DENSE: tl.constexpr,
     ):  # fmt: skip
         """:func:`_chunk_head` with p in blocks of BV columns (the plan's ``bv``), in three
         passes over them: ``dM = do xᵀ`` summed over the blocks; then, block by block, what the
@@ -323,23 +328,25 @@ if triton is not None:
         The blocks of x, dy and z are loaded and gated again in each pass (cache hits), so no
         (BT × BP) tile and no (BP × N) state is held whole: fewer registers than one pass."""
         o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
-                                                             BP, BN2)  # fmt: skip
+                                                             BP, BN2, DENSE)  # fmt: skip
         p_v = v + i_b * s_vb + i_h * s_vh
         p_z = z + i_b * s_zb + i_h * s_zh
         o_o = i_b * s_ob + i_h * P  # dv, dz
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
-            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET
+            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET, DENSE
         )
         DT = v.dtype.element_ty
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
-                                               s_at, s_ah, s_as, DT, BT, BN2, BR)  # fmt: skip
+                                               s_at, s_ah, s_as, DT, BT, BN2, BR,
+                                               DENSE)  # fmt: skip
 
         # Pass 1: dM = do xᵀ, over the blocks of p.
         b_dM = tl.zeros([BT, BT], dtype=tl.float32)
         for v0 in range(0, BP, BV):
-            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV))
-            b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)[0]
+            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
+            b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z,
+                        DENSE)[0]  # fmt: skip
             b_dM += tl.dot(to_dot(b_do, DT), tl.trans(b_x))
         b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
         b_S = tl.dot(b_qc, tl.trans(b_kc))
@@ -352,9 +359,9 @@ if triton is not None:
         # gradient and, with z, the pre-gate output) and dq̄'s exp(A) ⊙ do G_in.
         b_doG = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
         for v0 in range(0, BP, BV):
-            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV))
+            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
             b_do, b_gz = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV,
-                              HAS_Z)  # fmt: skip
+                              HAS_Z, DENSE)  # fmt: skip
             if HAS_Z:
                 b_do, b_gz = pin(b_do), pin(b_gz)
             b_doc = to_dot(b_do, DT)
@@ -365,12 +372,12 @@ if triton is not None:
                 b_o = tl.dot(b_Mc, b_x) + b_eA[:, None] * b_qG
                 if HAS_D:
                     b_o += tl.load(d + i_h).to(tl.float32) * b_x.to(tl.float32)
-                store_tile(tile_ptr(dz + o_o + v0, T, P - v0, s_ot, r0, BT, BV), b_gz * b_o)
+                store_tile(tile_ptr(dz + o_o + v0, T, P - v0, s_ot, r0, BT, BV, DENSE), b_gz * b_o)
             b_doG += tl.dot(b_doc, b_Gc)
         b_dqr = tl.dot(b_dSc, b_kc) + b_eA[:, None] * b_doG
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
-            BN2, BR, HPP,
+            BN2, BR, HPP, DENSE,
         )  # fmt: skip
 
         # Pass 3: the leaving state's gradient dG_out, block by block: dx = Mᵀ do +
@@ -379,8 +386,9 @@ if triton is not None:
         b_xu = tl.zeros([BT], dtype=tl.float32)  # x_jᵀ dG k̄_j
         b_GG = tl.zeros([BV], dtype=tl.float32)  # <dG_out, G_in>, by row of the block
         for v0 in range(0, BP, BV):
-            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV))
-            b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z)[0]
+            b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
+            b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z,
+                        DENSE)[0]  # fmt: skip
             if HAS_Z:
                 b_do = pin(b_do)
             b_doc = to_dot(b_do, DT)
@@ -390,16 +398,17 @@ if triton is not None:
             b_dx = tl.dot(tl.trans(b_Mc), b_doc) + b_ew[:, None] * b_u
             if HAS_D:
                 b_dx += tl.load(d + i_h).to(tl.float32) * b_doc.to(tl.float32)
-            store_tile(tile_ptr(dv + o_o + v0, T, P - v0, s_ot, r0, BT, BV), b_dx)
+            store_tile(tile_ptr(dv + o_o + v0, T, P - v0, s_ot, r0, BT, BV, DENSE), b_dx)
             b_xdG += tl.dot(b_x, b_dGc)
             b_GG += tl.sum(load_dense(g_in + o_gc, v0, BV, 2 * BN2).to(tl.float32)
                            * b_dGc.to(tl.float32), axis=1)  # fmt: skip
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * b_xdG
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
-            BN2, BR, HPP,
+            BN2, BR, HPP, DENSE,
         )  # fmt: skip
-        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR)
+        _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR,
+                     DENSE)  # fmt: skip
         _decay_grads(b_dA, b_dw, b_xu, tl.sum(b_GG, axis=0), b_AL2, keep, b_eL,
                      b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
         return acc_q, acc_k
@@ -413,7 +422,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
-        WG: tl.constexpr,
+        WG: tl.constexpr, DENSE: tl.constexpr,
     ):  # fmt: skip
         """One chunk of one head: in one pass (BV = BP) or over blocks of p."""
         if BV == BP:
@@ -422,7 +431,7 @@ if triton is not None:
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
                 s_ot, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, WG,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, WG, DENSE,
             )  # fmt: skip
         else:
             acc_q, acc_k = _chunk_head_pb(
@@ -430,7 +439,7 @@ if triton is not None:
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, acc_q, acc_k,
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
                 s_ot, s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, DENSE,
             )  # fmt: skip
         return acc_q, acc_k
 
@@ -443,7 +452,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
-        WG: tl.constexpr,
+        WG: tl.constexpr, DENSE: tl.constexpr,
     ):  # fmt: skip
         """Chunk i_c of the HPP heads of block i_blk of batch i_b: their gradients, dq and dk
         summed over the block."""
@@ -453,7 +462,7 @@ if triton is not None:
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, 0.0, 0.0, i_c,
                 i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
                 s_ab,
-                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG, DENSE,
             )  # fmt: skip
         else:
             NB = H // HPP
@@ -466,12 +475,12 @@ if triton is not None:
                     b_dk, i_c, i_b, i_blk * HPP + j, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh,
                     s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah, s_as, BT, BP, BN2, BR, HPP,
                     HAS_D, HAS_Z,
-                    HAS_RESET, BV, WG,
+                    HAS_RESET, BV, WG, DENSE,
                 )  # fmt: skip
             o_out = (i_b * T * NB + i_blk) * N
             r0 = i_c * BT
-            store_tile(tile_ptr(dq + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dq)
-            store_tile(tile_ptr(dk + o_out, T, N, NB * N, r0, BT, 2 * BN2), b_dk)
+            store_tile(tile_ptr(dq + o_out, T, N, NB * N, r0, BT, 2 * BN2, DENSE), b_dq)
+            store_tile(tile_ptr(dk + o_out, T, N, NB * N, r0, BT, 2 * BN2, DENSE), b_dk)
 
     @triton.jit(do_not_specialize=["T", "NC"])
     def siso_bwd_chunk_kernel(
@@ -482,7 +491,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
         HPP: tl.constexpr,
         CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
-        BV: tl.constexpr, WG: tl.constexpr,
+        BV: tl.constexpr, WG: tl.constexpr, DENSE: tl.constexpr,
     ):  # fmt: skip
         """CPP consecutive chunks, in turn, of HPP consecutive heads of one group of one batch
         (grid: chunk blocks × batch · h/HPP). See the module docstring. dq, dk are
@@ -499,7 +508,7 @@ if triton is not None:
                 seg, dq, dk, dv, dz, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c, i_cb, i_b,
                 i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
                 s_ab, s_at,
-                s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG, DENSE,
             )  # fmt: skip
         else:
             for i_c in range(i_cb * CPP, tl.minimum(NC, i_cb * CPP + CPP)):
@@ -509,4 +518,5 @@ if triton is not None:
                     i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
                     s_ot, s_ab,
                     s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
+                    DENSE,
                 )  # fmt: skip

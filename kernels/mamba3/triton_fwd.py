@@ -37,14 +37,15 @@ from .triton_common import (
 if triton is not None:
 
     @triton.jit
-    def _rotated(x, o_tc, m_t, row_stride, N, b_bias, b_cos, b_sin, BN2: tl.constexpr,
+    def _rotated(x, o_tc, m_t, m_n, row_stride, b_bias, b_cos, b_sin, BN2: tl.constexpr,
                  BR: tl.constexpr):  # fmt: skip
-        """R(Φ)(x + bias) for rows ``o_tc``, fp32, columns in natural order (pairs adjacent):
-        rows are read whole (vectorised), their first BR pairs rotated (:func:`rotate`)."""
+        """R(Φ)(x + bias) for rows ``o_tc`` (masked by ``m_t``, columns by ``m_n``), fp32,
+        columns in natural order (pairs adjacent): rows are read whole (vectorised), their first
+        BR pairs rotated (:func:`rotate`)."""
         o_n = tl.arange(0, 2 * BN2)
         b_x = tl.load(
             x + o_tc[:, None] * row_stride + o_n[None, :],
-            mask=m_t[:, None] & (o_n < N)[None, :],
+            mask=m_t[:, None] & m_n[None, :],
             other=0.0,
         )
         b_x = b_x.to(tl.float32) + b_bias[None, :]
@@ -60,7 +61,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         BR: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr,
         SAVE: tl.constexpr,
-        HAS_RESET: tl.constexpr, WG: tl.constexpr,
+        HAS_RESET: tl.constexpr, WG: tl.constexpr, DENSE: tl.constexpr,
     ):  # fmt: skip
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = i_bh // H, i_bh % H
@@ -82,9 +83,11 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         o_m = tl.arange(0, BR)  # the rotated pairs (Φ = 0 past the S angles)
         o_n = tl.arange(0, 2 * BN2)
-        m_v = o_v < P
-        m_s = o_m < S
-        m_n = o_n < N
+        # With DENSE (whole chunks, tiles the shape's size) every bound below holds: the masks
+        # fold to true and the loads and stores go unmasked.
+        m_v = (o_v < P) | DENSE
+        m_s = (o_m < S) | DENSE
+        m_n = (o_n < N) | DENSE
         m_strict = o_t[:, None] > o_t[None, :]
         m_diag = o_t[:, None] == o_t[None, :]
         b_qb = tl.load(q_bias + i_h * N + o_n, mask=m_n, other=0.0)
@@ -104,7 +107,7 @@ if triton is not None:
 
         for i_c in range(NC):
             o_tc = i_c * BT + o_t
-            m_t = o_tc < T
+            m_t = (o_tc < T) | DENSE
             b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt, dt, trap, T, o_tc, m_t, o_t, BT)
             # exp(A_i) (entering state → token i), exp(A_L − A_j) (token j → leaving state),
             # exp(A_L) (entering → leaving) and the pairs one token reaches another in: with
@@ -121,15 +124,16 @@ if triton is not None:
                 m_low = m_strict & m_same
 
             # Φ = carried offset + chunk-local cumsum of Δ·π·tanh(θ̃).
-            b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR)
+            b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR,
+                                               DENSE)  # fmt: skip
             if SAVE:  # noqa: SIM102 (SAVE is a compile-time flag, i_v a run-time value)
                 if i_v == 0:
                     tl.store(phi_in + (i_bh.to(tl.int64) * NC + i_c) * BR + o_m, b_phi0)
             b_phi0 += b_dsum
             b_phi0 = b_phi0 - TWO_PI * tl.floor(b_phi0 / TWO_PI)
 
-            b_q = _rotated(q, o_tc, m_t, G * N, N, b_qb, b_cos, b_sin, BN2, BR)
-            b_k = _rotated(k, o_tc, m_t, G * N, N, b_kb, b_cos, b_sin, BN2, BR)
+            b_q = _rotated(q, o_tc, m_t, m_n, G * N, b_qb, b_cos, b_sin, BN2, BR)
+            b_k = _rotated(k, o_tc, m_t, m_n, G * N, b_kb, b_cos, b_sin, BN2, BR)
             m_x = m_t[:, None] & m_v[None, :]
             b_x = tl.load(v + o_tc[:, None] * s_vt + o_v[None, :], mask=m_x, other=0.0)
             DT = b_x.dtype
@@ -206,6 +210,6 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
     )  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=BV, BN2=BN2, BR=BR, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_H0=g0 is not None, SAVE=save, HAS_RESET=seg is not None,
-                 WG=bool(cfg.wg))  # fmt: skip
+                 WG=bool(cfg.wg), DENSE=tiles.dense(t, p, n, s))  # fmt: skip
     launch("fwd", siso_fwd_kernel, (triton.cdiv(BP, BV), b * h), args, flags, cfg)
     return y, phi_t, g_t, g_in, phi_in
