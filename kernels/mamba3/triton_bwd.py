@@ -234,6 +234,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     hpg = h // g
     tiles = Tiles.of(p, n, chunk_size)
     BT, BP, BN2, BR = tiles.BT, tiles.BP, tiles.BN2, tiles.rot_pairs(s)
+    dense = tiles.dense(t, p, n, s)  # every tile whole: the kernels' masks compiled out
     nc = triton.cdiv(t, BT)
     dev = v.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -252,7 +253,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
             t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
     flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, BR=BR, HAS_Z=z is not None,
                  HAS_DGT=dg_t is not None, HAS_RESET=seg is not None,
-                 DENSE=tiles.dense(t, p, n, s))  # fmt: skip
+                 DENSE=dense)  # fmt: skip
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
     # 2. Every chunk's gradients: a program takes a (chunk, batch, head), or under the plan's
@@ -293,7 +294,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
     flags = dict(BT=BT, BP=BP, BN2=BN2, BR=BR, HPP=hpp, CPP=cpp, HAS_D=d is not None,
                  HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
-                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=tiles.dense(t, p, n, s))  # fmt: skip
+                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=dense)  # fmt: skip
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out

@@ -81,7 +81,7 @@ if triton is not None:
 
     @triton.jit
     def gate(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
-              HAS_Z: tl.constexpr, DENSE: tl.constexpr = False):  # fmt: skip
+              HAS_Z: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
         """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
         columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
         dy ⊙ silu'(z), which times the pre-gate output is dz (without z: dy, and dy again)."""
@@ -94,17 +94,16 @@ if triton is not None:
         return b_dy, b_dy
 
     @triton.jit
-    def _decays(adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT: tl.constexpr,
-                HAS_RESET: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
-        """One chunk's per-token scalars (``o_s`` offsets the (batch, head) row): Δ, λΔ, w, the
+    def _decays(adt, dt, trap, seg, o_s, o_tc, m_t, i_b, T, NC, BT: tl.constexpr,
+                HAS_RESET: tl.constexpr):  # fmt: skip
+        """One chunk's per-token scalars (``o_s`` offsets the (batch, head) row; ``o_tc``, ``m_t``
+        the chunk's positions and their mask, :func:`_offsets`'): Δ, λΔ, w, the
         cumulative decay A and its last value A_L (log2), exp(A), exp(A_L − A), exp(A_L − A)·w,
         the masks of the pairs below the diagonal (in one segment) and on it, and whether the
         entering state survives the chunk (no reset in it). As in the forward, no decay crosses
         a reset. (exp(A_L) is :func:`_decay_grads`': formed here, it cost the chunk kernel 120 B
         of spills.)"""
         o_t = tl.arange(0, BT)
-        o_tc = i_c * BT + o_t
-        m_t = (o_tc < T) | DENSE
         b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
                                                       o_tc, m_t, o_t, BT)  # fmt: skip
         b_eA = tl.exp2(b_A2)
@@ -244,7 +243,7 @@ if triton is not None:
         o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
                                                              BP, BN2, DENSE)  # fmt: skip
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
-            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET, DENSE
+            adt, dt, trap, seg, o_s, o_tc, m_t, i_b, T, NC, BT, HAS_RESET
         )
         b_x = load_tile(tile_ptr(v + i_b * s_vb + i_h * s_vh, T, P, s_vt, r0, BT, BP, DENSE))
         DT = v.dtype.element_ty
@@ -333,7 +332,7 @@ if triton is not None:
         p_z = z + i_b * s_zb + i_h * s_zh
         o_o = i_b * s_ob + i_h * P  # dv, dz
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
-            adt, dt, trap, seg, o_s, i_b, i_c, T, NC, BT, HAS_RESET, DENSE
+            adt, dt, trap, seg, o_s, o_tc, m_t, i_b, T, NC, BT, HAS_RESET
         )
         DT = v.dtype.element_ty
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
