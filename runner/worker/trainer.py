@@ -256,9 +256,9 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         # The logged loss is the mean over every micro-batch of the step, on every rank.
         mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
-        # The step's one host sync; no update when either number is non-finite.
+        # The step's one host sync; no update when either number is non-finite. The gradients
+        # are dropped either way.
         mean_loss, gnorm = self.update(mean, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
         self.step = step
