@@ -1,7 +1,8 @@
 """Mamba3LM: the Mamba-3-Lite language model.
 
 Pre-norm residual stack ``x += mixer(rmsnorm(x)); x += swiglu(rmsnorm(x))``, a final RMSNorm, and
-an LM head tied to the (padded) embedding.
+an LM head tied to the (padded) embedding. Each block leaves its last add to the next block's
+first norm (Block.forward).
 
 Initialisation (GPT-2 / Mamba conventions):
 - embedding and every linear weight ~ N(0, init_std);
@@ -31,6 +32,11 @@ from .mixer import Mamba3Mixer
 
 
 class Block(nn.Module):
+    # Off: each block adds its MLP output to the stream itself, at its graph's end, and leaves
+    # nothing pending; for the benchmark's comparison, bench_train.py --variant
+    # NAME:@model.lm.Block.DEFER_RESIDUAL_ADD=0.
+    DEFER_RESIDUAL_ADD = True
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -38,9 +44,22 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_intermediate, cfg.scan_backend)
 
-    def forward(self, x: Tensor, reset: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, pending: Tensor | None = None, reset: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The block on the residual stream ``x + pending`` → ``(x', pending')`` whose sum is
+        its output: the stream after the mixer's add and the MLP's output, not yet added. The
+        next block's first norm (or the final norm) adds it in its own kernel: the fp32 stream
+        is no longer read and written once more by an add at each compiled block's exit, and
+        the gradient of ``pending`` leaves the next block's backward already cast to the MLP's
+        dtype. With DEFER_RESIDUAL_ADD off: ``(output, None)``."""
+        if pending is not None:
+            x = x + pending
         x = x + self.mixer(self.mixer_norm(x), reset=reset)
-        return x + self.mlp(self.mlp_norm(x))
+        out = self.mlp(self.mlp_norm(x))
+        if not self.DEFER_RESIDUAL_ADD:
+            return x + out, None
+        return x, out
 
     def forward_with_state(self, x: Tensor, state: State | None):
         y, state = self.mixer(self.mixer_norm(x), initial_state=state, return_final_state=True)
@@ -113,12 +132,19 @@ class Mamba3LM(nn.Module):
 
     def hidden_states(self, idx: Tensor, reset: Tensor | None = None) -> Tensor:
         x = self.embedding(idx)
+        pending = None  # the MLP output a block leaves to the next (Block.forward)
+        if Block.DEFER_RESIDUAL_ADD:
+            # The first block's: zeros in the dtype every block's MLP returns, needing a
+            # gradient where theirs do, so that one compiled graph serves every block.
+            dev = x.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            pending = torch.zeros_like(x, dtype=dtype).requires_grad_(x.requires_grad)
         for block in self.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, reset, use_reentrant=False)
+                x, pending = checkpoint(block, x, pending, reset, use_reentrant=False)
             else:
-                x = block(x, reset)
-        return self.norm_f(x)
+                x, pending = block(x, pending, reset)
+        return self.norm_f(x if pending is None else x + pending)
 
     def forward(
         self,
