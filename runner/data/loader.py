@@ -198,6 +198,7 @@ class WindowStream:
         self._pin = bool(pin_memory) and self._cuda_available()
         self._consumed = 0
         self._prefetcher: _Prefetcher | None = None
+        self._held: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # peek_batch's
         self._lock = threading.RLock()
         self._closed = False
 
@@ -242,8 +243,19 @@ class WindowStream:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), both int64 (micro_batch_size, seq_len); y[:, t] is the token after x[:, t]."""
         with self._lock:
+            batch = self.peek_batch()
+            self._held = None
+            self._consumed += self._block
+            return batch
+
+    def peek_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch next_batch() returns next, read now but not consumed: the position, and
+        with it the state a checkpoint saves, stays where it is."""
+        with self._lock:
             if self._closed:
-                raise RuntimeError(f"{type(self).__name__}.next_batch() called after close()")
+                raise RuntimeError(f"{type(self).__name__}: a batch read after close()")
+            if self._held is not None and self._held[0] == self._consumed:
+                return self._held[1]
             if self._depth == 0:
                 batch = self._produce(self._consumed)
             else:
@@ -260,7 +272,7 @@ class WindowStream:
                     raise RuntimeError(
                         f"prefetched batch for window {pos}, expected {self._consumed}"
                     )
-            self._consumed += self._block
+            self._held = (self._consumed, batch)
             return batch
 
     def skip(self, n_micro_batches: int) -> None:
@@ -281,6 +293,9 @@ class WindowStream:
             self._closed = True
 
     def _stop_prefetch(self) -> None:
+        """Before the position jumps (skip, a loaded state) or the stream closes: no batch read
+        for the old position is handed out."""
+        self._held = None
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

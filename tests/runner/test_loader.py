@@ -145,6 +145,27 @@ def test_skip_equals_reading_and_discarding(train_dir, prefetch):
         loader.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_peeked_batch_is_the_next_one_and_moves_nothing(train_dir, prefetch):
+    """peek_batch reads the batch next_batch hands out next without consuming it: the saved
+    state stays at the step boundary; a skip or a loaded state drops what was peeked."""
+    plain = BatchLoader(train_dir, SEQ, MBS, seed=7, prefetch=prefetch)
+    expected = _read(plain, 6)
+    loader = BatchLoader(train_dir, SEQ, MBS, seed=7, prefetch=prefetch)
+    _read(loader, 1)
+    state = loader.state_dict()
+    peeked = loader.peek_batch()
+    assert loader.peek_batch() is peeked and loader.state_dict() == state
+    assert _same([peeked], expected[1:2]) and _same(_read(loader, 2), expected[1:3])
+    loader.peek_batch()  # the batch at position 3 · MBS, then a jump past it
+    loader.skip(1)
+    assert _same([loader.peek_batch()], expected[4:5])
+    loader.load_state_dict(state)  # back to position MBS: what was peeked is not handed out
+    assert _same(_read(loader, 2), expected[1:3])
+    for each in (plain, loader):
+        each.close()
+
+
 def test_prefetch_does_not_change_batches(train_dir):
     loaders = [BatchLoader(train_dir, SEQ, MBS, seed=9, prefetch=p) for p in (0, 1, 4)]
     runs = [_read(loader, 8) for loader in loaders]
