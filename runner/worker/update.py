@@ -23,7 +23,8 @@ from torch import Tensor
 
 class GuardedUpdate:
     """``update(loss, grad_norm)`` → the two as floats, the optimizer stepped unless either is
-    non-finite and the gradients dropped either way. Its one host sync is the step's."""
+    non-finite and the gradients dropped either way; or ``read(queue(loss, grad_norm))``, with
+    other work queued between the two. Its one host sync is the step's."""
 
     # Off: the host reads the two numbers before the update whatever the optimizer; for the
     # benchmark's comparison, bench_train.py --variant
@@ -39,6 +40,12 @@ class GuardedUpdate:
             self._ready = torch.cuda.Event()
 
     def __call__(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
+        return self.read(self.queue(loss, grad_norm))
+
+    def queue(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float] | None:
+        """The update queued (or, on the host's path, done) and the gradients dropped; returns
+        what :meth:`read` takes. Between the two the host may queue more work (the trainer
+        queues the next step's first forward there)."""
         stats = torch.stack([loss.detach().float(), grad_norm.detach().float()])
         if not self.in_kernel:
             loss_f, norm_f = stats.tolist()
@@ -58,6 +65,12 @@ class GuardedUpdate:
         self._ready.record()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    def read(self, queued: tuple[float, float] | None) -> tuple[float, float]:
+        """The step's loss and gradient norm as floats: the step's one host sync on CUDA."""
+        if queued is not None:
+            return queued
         self._ready.synchronize()
         loss_f, norm_f = self._host.tolist()
         return loss_f, norm_f
