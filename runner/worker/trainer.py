@@ -1,6 +1,17 @@
 """The training loop: setup and resume, `train()` over `train_step()`, the non-finite guard and
 its in-process rollback, evaluation, and the counters a checkpoint keeps. Saving, telemetry and
-building the parts are delegated to the sibling modules."""
+building the parts are delegated to the sibling modules.
+
+A step runs ahead: after queueing its update and before reading its loss and gradient norm (the
+step's one host sync, update.GuardedUpdate), it queues the next step's first micro-batch's
+forward, so the GPU has work while the host waits and then launches the rest of the next step
+(without it a step begins with the GPU idle behind the batch's copy, the embedding, the first
+block's entry and the scan's host path: 1–2 ms of a 434m step on an H200 under the profiler,
+docs/benchmarks.md). Nothing a step decides depends on that forward: it reads the weights after
+the update, on the stream after it, and the batch the next step reads first, peeked without
+being consumed, so a checkpoint taken meanwhile saves the step's own data position; a
+non-finite step changes neither (its update is skipped), so its retry on the next data uses the
+forward as it is; a rollback or a stop drops it."""
 
 from __future__ import annotations
 
@@ -57,6 +68,11 @@ class Trainer:
     `close()` on every path. The counters (step, tokens seen, the NaN-rollback state) round-trip
     through `state_dict()` / `load_state_dict()` inside each checkpoint."""
 
+    # Off: each step's first forward is queued only after the step before has been read (see
+    # _runs_ahead); for the benchmark's comparison, bench_train.py --variant
+    # NAME:@runner.worker.trainer.Trainer.RUN_AHEAD=0.
+    RUN_AHEAD = True
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -82,6 +98,9 @@ class Trainer:
         self.lr_scale = 1.0
         self.nan_rollbacks = 0
         self.skip_positions: list[int] = []  # data positions of windows that produced NaN
+        # The next step's first micro-batch: its data position and its loss, the forward queued
+        # before this step's read (_runs_ahead), or None.
+        self._ahead: tuple[int, torch.Tensor] | None = None
         self.dist = Dist()
         # Built by setup(): close() and the exit paths cope with a setup that failed early.
         self.telemetry: Telemetry | None = None
@@ -230,24 +249,23 @@ class Trainer:
         lr = lr_at(self.cfg, step) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # A NaN streak recorded several consecutive windows: skip every one of them.
-        while self.loader.windows_consumed in self.skip_positions:
-            pos = self.loader.windows_consumed
-            self.loader.skip(self.local_accum)
-            if self.dist.writer:
-                print(f"skipping the data window at position {pos} (it gave NaN earlier)")
+        self._skip_bad_windows()
         start_pos = self.loader.windows_consumed
         poison = self.faults.poison(step)
         loss_sum = torch.zeros((), device=self.device)
         amp = autocast(self.device, self.autocast_dtype)
+        ahead, self._ahead = self._ahead, None
         for i in range(self.local_accum):
-            x, y = self.loader.next_batch()
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
             # DDP all-reduces gradients only on the last micro-batch of the window.
             sync = i == self.local_accum - 1 or not self.dist.enabled
             with amp, contextlib.nullcontext() if sync else self.ddp_model.no_sync():
-                loss = self.step_model(x, y, eos_id=self.eos_id)
+                if i == 0 and ahead is not None:
+                    pos, loss = ahead
+                    if pos != start_pos:  # only a rollback moves the data, and it drops it
+                        raise RuntimeError(f"forward run ahead at position {pos}, not {start_pos}")
+                    self.loader.next_batch()  # the batch that forward read, consumed now
+                else:
+                    loss = self._forward(self.loader.next_batch())
                 if poison:
                     loss = loss * float("nan")
                 # Divide before backward so the summed gradients are those of the mean loss.
@@ -256,14 +274,41 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         # The logged loss is the mean over every micro-batch of the step, on every rank.
         mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
-        # The step's one host sync; no update when either number is non-finite. The gradients
-        # are dropped either way.
-        mean_loss, gnorm = self.update(mean, grad_norm)
+        # No update when either number is non-finite; the gradients are dropped either way.
+        queued = self.update.queue(mean, grad_norm)
+        if self._runs_ahead(step):
+            self._skip_bad_windows()
+            with amp:
+                pos = self.loader.windows_consumed
+                self._ahead = pos, self._forward(self.loader.peek_batch())
+        mean_loss, gnorm = self.update.read(queued)  # the step's one host sync
         if not (math.isfinite(mean_loss) and math.isfinite(gnorm)):
             return {"bad": True, "start_pos": start_pos, "loss": mean_loss, "grad_norm": gnorm}
         self.step = step
         self.tokens_seen += self.tokens_per_step
         return {"loss": mean_loss, "grad_norm": gnorm, "lr": lr}
+
+    def _forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = (part.to(self.device, non_blocking=True) for part in batch)
+        return self.step_model(x, y, eos_id=self.eos_id)
+
+    def _skip_bad_windows(self) -> None:
+        """A NaN streak recorded several consecutive windows: skip every one of them."""
+        while self.loader.windows_consumed in self.skip_positions:
+            pos = self.loader.windows_consumed
+            self.loader.skip(self.local_accum)
+            if self.dist.writer:
+                print(f"skipping the data window at position {pos} (it gave NaN earlier)")
+
+    def _runs_ahead(self, step: int) -> bool:
+        """Whether step ``step`` queues the next one's first forward before its host read
+        (module docstring): not after the last step, before an eval (whose forwards would run
+        beside the activations kept), once a stop is asked, or under DDP (a forward readies a
+        gradient reduction that a dropped one would leave pending)."""
+        every = self.cfg.eval.interval_steps
+        eval_next = every and self.val_batches is not None and step % every == 0
+        return (self.RUN_AHEAD and not self.dist.enabled and step < self.cfg.train.total_steps
+                and not eval_next and self.stop_signal is None)  # fmt: skip
 
     def rollback(self, bad_positions: list[int]) -> None:
         """In-process recovery from a NaN excursion: back to the latest complete checkpoint,
@@ -274,6 +319,7 @@ class Trainer:
                 f"{self.nan_rollbacks - 1} in-process rollbacks did not heal the non-finite "
                 f"loss/gradients at step {self.step + 1}"
             )
+        self._ahead = None  # computed on the weights the rollback replaces
         self.checkpointer.finish_saves()  # a checkpoint still being written is the one to use
         info = ckpt.latest_complete(self.run_dir, trust_verified=True)
         if self.dist.enabled:
@@ -404,6 +450,8 @@ class Trainer:
         else:
             flag = torch.tensor([0 if self.stop_signal is None else 1], device=self.device)
             stop = bool(self.dist.all_sum(flag).item())
+        if stop:
+            self._ahead = None  # no step will use it
         if stop and self.dist.writer:
             why = signal.Signals(self.stop_signal).name if self.stop_signal else "another rank"
             print(f"stop requested ({why}): saving at step {self.step}", flush=True)
