@@ -120,17 +120,18 @@ def bench_one(
         trainer.train_step()
     sync(trainer.device)
     warm_s = time.perf_counter() - t_warm
-    # data wait: time spent inside next_batch across the timed steps
+    # data wait: time spent reading batches across the timed steps (in peek_batch, which
+    # next_batch calls and the step's run-ahead forward reads through)
     waited = [0.0]
-    orig = trainer.loader.next_batch
+    orig = trainer.loader.peek_batch
 
-    def timed_next():
+    def timed_peek():
         t0 = time.perf_counter()
         out = orig()
         waited[0] += time.perf_counter() - t0
         return out
 
-    trainer.loader.next_batch = timed_next
+    trainer.loader.peek_batch = timed_peek
     # Each step ends with the host's read of its loss, so the host's step-to-step times are the
     # steps' own: a slow one (a Python collection, a late batch, a lower clock) shows apart.
     timed = timed_steps(trainer.train_step, steps, trainer.device)
