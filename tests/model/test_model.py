@@ -91,6 +91,38 @@ def test_in_proj_as_two_products_equals_one_product_split():
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+def test_the_deferred_residual_add_computes_what_the_block_adding_its_own_does(monkeypatch):
+    """Block.forward leaves its MLP output for the next block's first norm to add: the loss and
+    every gradient equal, bitwise, those of blocks that add their own output (the switch off),
+    and with a model whose blocks are ``x + mixer(...); x + mlp(...)`` written out."""
+    from model.lm import Block
+
+    torch.manual_seed(0)
+    model = Mamba3LM(tiny(n_layers=3))
+    idx = torch.randint(0, 97, (2, 16))
+    y = torch.randint(0, 97, (2, 16))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(idx, y)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    def written_out(self, x, pending=None, reset=None):  # DESIGN's block, nothing deferred
+        assert pending is None
+        x = x + self.mixer(self.mixer_norm(x), reset=reset)
+        return x + self.mlp(self.mlp_norm(x)), None
+
+    deferred = loss_and_grads()
+    monkeypatch.setattr(Block, "DEFER_RESIDUAL_ADD", False)
+    own = loss_and_grads()
+    monkeypatch.setattr(Block, "forward", written_out)
+    plain = loss_and_grads()
+    for other in (own, plain):
+        assert torch.equal(deferred[0], other[0])
+        assert all(map(torch.equal, deferred[1], other[1]))
+
+
 def test_generate_uses_recurrent_state_and_is_greedy_consistent():
     torch.manual_seed(0)
     cfg = tiny()
