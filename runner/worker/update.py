@@ -10,7 +10,7 @@ round trip and the update's launch, 0.8–1.7 ms of every 434m step on an H200
 (docs/benchmarks.md). The gradients are dropped (``zero_grad(set_to_none=True)``) before the
 host waits too: their memory goes back to the allocator in stream order, so the update still
 reads them, and the host's walk over the parameters (0.7 ms at the 434m preset under the
-profiler) no longer keeps the GPU idle at the next step's start.
+profiler) runs while the GPU works through the update.
 """
 
 from __future__ import annotations
