@@ -47,25 +47,23 @@ class GuardedUpdate:
         what :meth:`read` takes. Between the two the host may queue more work (the trainer
         queues the next step's first forward there)."""
         stats = torch.stack([loss.detach().float(), grad_norm.detach().float()])
+        queued = None  # CUDA, in the kernel: read() waits for the numbers
         if not self.in_kernel:
-            loss_f, norm_f = stats.tolist()
-            if math.isfinite(loss_f) and math.isfinite(norm_f):
+            queued = tuple(stats.tolist())
+            if all(map(math.isfinite, queued)):
                 self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return loss_f, norm_f
-        # 1.0 when either is non-finite: the kernel then skips the update. 0-dim, as the step
-        # counts it is subtracted from.
-        self.optimizer.found_inf = (~stats.isfinite().all()).float()
-        if self._host is None:
+        else:
+            # 1.0 when either is non-finite: the kernel then skips the update. 0-dim, as the
+            # step counts it is subtracted from.
+            self.optimizer.found_inf = (~stats.isfinite().all()).float()
+            if self._host is not None:
+                self._host.copy_(stats, non_blocking=True)
+                self._ready.record()
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_f, norm_f = stats.tolist()
-            return loss_f, norm_f
-        self._host.copy_(stats, non_blocking=True)
-        self._ready.record()
-        self.optimizer.step()
+            if self._host is None:  # on the CPU the numbers are there already
+                queued = tuple(stats.tolist())
         self.optimizer.zero_grad(set_to_none=True)
-        return None
+        return queued
 
     def read(self, queued: tuple[float, float] | None) -> tuple[float, float]:
         """The step's loss and gradient norm as floats: the step's one host sync on CUDA."""
