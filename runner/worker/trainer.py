@@ -271,11 +271,13 @@ class Trainer:
                 # Divide before backward so the summed gradients are those of the mean loss.
                 (loss / self.local_accum).backward()
             loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
         # The logged loss is the mean over every micro-batch of the step, on every rank.
         mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
-        # No update when either number is non-finite; the gradients are dropped either way.
-        queued = self.update.queue(mean, grad_norm)
+        # Clipped to train.grad_clip as the update runs; no update when either number is
+        # non-finite; the gradients are dropped either way.
+        queued = self.update.queue(mean, grad_norm, t.grad_clip)
         if self._runs_ahead(step):
             self._skip_bad_windows()
             with amp:

@@ -1,5 +1,9 @@
 """The optimizer update behind the non-finite guard: a step whose mean loss or gradient norm is
-not finite leaves the weights, the optimizer's moments and its step count as they were.
+not finite leaves the weights, the optimizer's moments and its step count as they were. The
+gradient clip is part of the update: given the gradients' total norm and the clip's bound, the
+host path clips them in place before the step (``clip_grads_with_norm_``), the fused path passes
+the clip's divisor to the kernel as its ``grad_scale`` (no pass over the gradients of its own:
+1.0 ms of a 434m step on an H200, docs/benchmarks.md).
 
 Where the optimizer has no fused kernel, the host reads the two numbers and then steps or not.
 With fused AdamW (the trainer's on CUDA) the update is queued first and skipped inside the kernel
@@ -22,9 +26,10 @@ from torch import Tensor
 
 
 class GuardedUpdate:
-    """``update(loss, grad_norm)`` → the two as floats, the optimizer stepped unless either is
-    non-finite and the gradients dropped either way; or ``read(queue(loss, grad_norm))``, with
-    other work queued between the two. Its one host sync is the step's."""
+    """``update(loss, grad_norm, max_norm)`` → the loss and the norm as floats, the gradients
+    clipped to ``max_norm`` (None: not clipped) and the optimizer stepped unless either number
+    is non-finite, the gradients dropped either way; or ``read(queue(...))``, with other work
+    queued between the two. Its one host sync is the step's."""
 
     # Off: the host reads the two numbers before the update whatever the optimizer; for the
     # benchmark's comparison, bench_train.py --variant
@@ -39,10 +44,14 @@ class GuardedUpdate:
             self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self._ready = torch.cuda.Event()
 
-    def __call__(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float]:
-        return self.read(self.queue(loss, grad_norm))
+    def __call__(
+        self, loss: Tensor, grad_norm: Tensor, max_norm: float | None = None
+    ) -> tuple[float, float]:
+        return self.read(self.queue(loss, grad_norm, max_norm))
 
-    def queue(self, loss: Tensor, grad_norm: Tensor) -> tuple[float, float] | None:
+    def queue(
+        self, loss: Tensor, grad_norm: Tensor, max_norm: float | None = None
+    ) -> tuple[float, float] | None:
         """The update queued (or, on the host's path, done) and the gradients dropped; returns
         what :meth:`read` takes. Between the two the host may queue more work (the trainer
         queues the next step's first forward there)."""
@@ -51,11 +60,18 @@ class GuardedUpdate:
         if not self.in_kernel:
             queued = tuple(stats.tolist())
             if all(map(math.isfinite, queued)):
+                if max_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(self._params(), max_norm, grad_norm)
                 self.optimizer.step()
         else:
             # 1.0 when either is non-finite: the kernel then skips the update. 0-dim, as the
             # step counts it is subtracted from.
             self.optimizer.found_inf = (~stats.isfinite().all()).float()
+            # The kernel divides every gradient by it: clip_grad_norm_'s coefficient
+            # max_norm / (norm + 1e-6), at most 1, inverted.
+            self.optimizer.grad_scale = (
+                None if max_norm is None else ((stats[1] + 1e-6) / max_norm).clamp(min=1.0)
+            )
             if self._host is not None:
                 self._host.copy_(stats, non_blocking=True)
                 self._ready.record()
@@ -64,6 +80,9 @@ class GuardedUpdate:
                 queued = tuple(stats.tolist())
         self.optimizer.zero_grad(set_to_none=True)
         return queued
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def read(self, queued: tuple[float, float] | None) -> tuple[float, float]:
         """The step's loss and gradient norm as floats: the step's one host sync on CUDA."""
