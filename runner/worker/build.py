@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.mamba3 import BackendUnavailableError, resolve_backend, uses_triton_kernels
+from kernels.mamba3 import BackendUnavailableError, resolve_backend
 from model import Mamba3LM
 from model.lm import param_groups
 from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
@@ -108,25 +108,16 @@ def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
         return Mamba3LM(cfg.model)
 
 
-# Off: torch's fused AdamW on CUDA, whatever the backend; for the benchmark's comparison,
-# bench_train.py --variant NAME:@runner.worker.build.TRITON_ADAMW=0.
-TRITON_ADAMW = True
-
-
 def build_optimizer(
     model: Mamba3LM, device: torch.device, t: TrainConfig, lr: float, eps: float = 1e-8
 ) -> torch.optim.AdamW:
-    """AdamW over model.lm.param_groups (weight decay on matrices only) with train's betas and
-    weight decay; on CUDA one Triton kernel a group (kernels/adamw.py) where the model's kernels
-    are Triton's (model.scan_backend), else torch's fused AdamW; plain on the CPU. The trainer
-    passes train.lr and train.eps; the smoke test's one step its own lr and torch's default eps."""
-    groups = param_groups(model, t.weight_decay)
-    kwargs = dict(lr=lr, betas=(t.beta1, t.beta2), eps=eps)
-    if device.type != "cuda":
-        return torch.optim.AdamW(groups, **kwargs)
-    master = next(model.parameters())
-    if TRITON_ADAMW and uses_triton_kernels(model.config.scan_backend, master):
-        from kernels.adamw import TritonAdamW
-
-        return TritonAdamW(groups, **kwargs)
-    return torch.optim.AdamW(groups, fused=True, **kwargs)
+    """AdamW over model.lm.param_groups (weight decay on matrices only), fused on CUDA, with
+    train's betas and weight decay. The trainer passes train.lr and train.eps; the smoke test's
+    one step its own lr and torch's default eps."""
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay),
+        lr=lr,
+        betas=(t.beta1, t.beta2),
+        eps=eps,
+        fused=device.type == "cuda",
+    )

@@ -3,7 +3,7 @@ not finite leaves the weights, the optimizer's moments and its step count as the
 gradient clip is part of the update: given the gradients' total norm and the clip's bound, the
 host path clips them in place before the step (``clip_grads_with_norm_``), the fused path passes
 the clip's divisor to the kernel as its ``grad_scale`` (no pass over the gradients of its own:
-1.0 ms of a 434m step on an H200, docs/benchmarks.md).
+0.34 ms less for the 434m model's clip and update on an H200, docs/benchmarks.md).
 
 Where the optimizer has no fused kernel, the host reads the two numbers and then steps or not.
 With fused AdamW (the trainer's on CUDA) the update is queued first and skipped inside the kernel

@@ -1,6 +1,6 @@
 """The optimizer update behind the non-finite guard (runner/worker/update.py), on the host path
-(plain AdamW) and on the kernel's (fused AdamW, on CPU and CUDA, and the Triton AdamW on CUDA,
-the update skipped inside the kernel): a non-finite loss or gradient norm leaves weights,
+(plain AdamW) and on the kernel's (fused AdamW, on CPU and CUDA, the update skipped inside the
+kernel): a non-finite loss or gradient norm leaves weights,
 moments and step count bitwise as they were, a finite step updates exactly as a plain
 ``step()`` does, and the clip the update applies is ``clip_grad_norm_``'s."""
 
@@ -17,21 +17,16 @@ CUDA = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-# (device, optimizer): the host's guard; the kernel's skip on CPU; the kernel's on CUDA, torch's
-# and the Triton one (the trainer's), the host reading the numbers while the update runs.
+# (device, optimizer): the host's guard; the kernel's skip on CPU; the kernel's on CUDA (the
+# trainer's), the host reading the numbers while the update runs.
 CASES = [
     pytest.param("cpu", "plain", id="cpu-host"),
     pytest.param("cpu", "fused", id="cpu-fused"),
     pytest.param("cuda", "fused", id="cuda-fused", marks=CUDA),
-    pytest.param("cuda", "triton", id="cuda-triton", marks=CUDA),
 ]
 
 
 def _optimizer(params, kind: str):
-    if kind == "triton":
-        from kernels.adamw import TritonAdamW
-
-        return TritonAdamW(params, lr=1e-2)
     return torch.optim.AdamW(params, lr=1e-2, fused=kind == "fused")
 
 
@@ -95,8 +90,8 @@ def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps_as_plain_adamw
 @pytest.mark.parametrize(("device", "kind"), CASES)
 def test_the_update_clips_as_clip_grad_norm_does(device, kind):
     """``update(loss, norm, max_norm)`` on unclipped gradients: the weights and moments of
-    ``clip_grad_norm_`` and a plain step, bitwise on the host path; in the kernels the clip is
-    a division by the coefficient's inverse, within fp32 rounding."""
+    ``clip_grad_norm_`` and a plain step, bitwise on the host path; in the fused kernel the clip
+    is a division by the coefficient's inverse, within fp32 rounding."""
     net, opt = _net_and_optimizer(device, kind)
     plain_net = copy.deepcopy(net)
     plain_opt = _optimizer(plain_net.parameters(), kind)
