@@ -81,6 +81,9 @@ class Mamba3LM(nn.Module):
         self.norm_f = RMSNorm(config.d_model, config.norm_eps)
         self.activation_checkpointing = False
         self.loss_fn = linear_cross_entropy
+        # Called with a layer's index (layer_params' order) before the forward uses it: the
+        # trainer's wait for that layer's update (runner/worker/update.py). None: nothing.
+        self.before_layer = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -130,7 +133,18 @@ class Mamba3LM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def layer_params(self) -> list[list[nn.Parameter]]:
+        """The parameters in the order the forward first uses them, a list a layer: the
+        embedding (the tied head too), each block, the final norm."""
+        parts = [self.embedding, *self.layers, self.norm_f]
+        return [list(m.parameters()) for m in parts]
+
+    def _before(self, layer: int) -> None:
+        if self.before_layer is not None:
+            self.before_layer(layer)
+
     def hidden_states(self, idx: Tensor, reset: Tensor | None = None) -> Tensor:
+        self._before(0)
         x = self.embedding(idx)
         pending = None  # the MLP output a block leaves to the next (Block.forward)
         if Block.DEFER_RESIDUAL_ADD:
@@ -139,11 +153,13 @@ class Mamba3LM(nn.Module):
             dev = x.device.type
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
             pending = torch.zeros_like(x, dtype=dtype).requires_grad_(x.requires_grad)
-        for block in self.layers:
+        for i, block in enumerate(self.layers, start=1):
+            self._before(i)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x, pending = checkpoint(block, x, pending, reset, use_reentrant=False)
             else:
                 x, pending = block(x, pending, reset)
+        self._before(len(self.layers) + 1)
         return self.norm_f(x if pending is None else x + pending)
 
     def forward(

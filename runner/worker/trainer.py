@@ -7,8 +7,9 @@ step's one host sync, update.GuardedUpdate), it queues the next step's first mic
 forward, so the GPU has work while the host waits and then launches the rest of the next step
 (without it a step begins with the GPU idle behind the batch's copy, the embedding, the first
 block's entry and the scan's host path: 1–2 ms of a 434m step on an H200 under the profiler,
-docs/benchmarks.md). Nothing a step decides depends on that forward: it reads the weights after
-the update, on the stream after it, and the batch the next step reads first, peeked without
+docs/benchmarks.md). Nothing a step decides depends on that forward: it reads each layer's
+weights after that layer's update (on CUDA the update runs on a stream of its own beside it,
+layer by layer, update.LayeredStep), and the batch the next step reads first, peeked without
 being consumed, so a checkpoint taken meanwhile saves the step's own data position; a
 non-finite step changes neither (its update is skipped), so its retry on the next data uses the
 forward as it is; a rollback or a stop drops it."""
@@ -174,7 +175,14 @@ class Trainer:
         marks["model_init"] = time.time()
         self._imported(DYNAMO)
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
-        self.update = GuardedUpdate(self.optimizer, self.device)
+        # The update beside the next forward, layer by layer (update.LayeredStep): where the
+        # forward's layers run eagerly between compiled blocks and without DDP.
+        whole_graph = t.compile and t.compile_scope == "model"
+        layered = not (self.dist.enabled or whole_graph)
+        layers = self.model.layer_params() if layered else None
+        self.update = GuardedUpdate(self.optimizer, self.device, layers)
+        if self.update.side is not None:
+            self.model.before_layer = self.update.side.wait
         marks["model_built"] = time.time()
         self.loader = train_loader(
             cfg.data.train_path,

@@ -15,6 +15,11 @@ round trip and the update's launch, 0.8–1.7 ms of every 434m step on an H200
 host waits too: their memory goes back to the allocator in stream order, so the update still
 reads them, and the host's walk over the parameters (0.7 ms at the 434m preset under the
 profiler) runs while the GPU works through the update.
+
+Given the model's layers (the trainer's, on CUDA, without DDP), the update runs on a stream of
+its own, layer by layer (:class:`LayeredStep`), beside the next step's first forward, which
+waits for each layer's update just before it uses that layer: 4.6 of the update's 5.9 ms
+overlapped the forward in the 434m step on an H200, +0.5% tokens/s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,13 +41,21 @@ class GuardedUpdate:
     # NAME:@runner.worker.update.GuardedUpdate.IN_KERNEL=0.
     IN_KERNEL = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        layers: list[list[Tensor]] | None = None,
+    ):
         self.optimizer = optimizer
         self.in_kernel = self.IN_KERNEL and bool(optimizer.defaults.get("fused"))
         self._host = self._ready = None
+        self.side: LayeredStep | None = None  # the update beside the next forward
         if self.in_kernel and device.type == "cuda":
             self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self._ready = torch.cuda.Event()
+            if layers is not None and LayeredStep.ON:
+                self.side = LayeredStep(optimizer, layers)
 
     def __call__(
         self, loss: Tensor, grad_norm: Tensor, max_norm: float | None = None
@@ -75,7 +88,10 @@ class GuardedUpdate:
             if self._host is not None:
                 self._host.copy_(stats, non_blocking=True)
                 self._ready.record()
-            self.optimizer.step()
+            if self.side is not None:
+                self.side.step()
+            else:
+                self.optimizer.step()
             if self._host is None:  # on the CPU the numbers are there already
                 queued = tuple(stats.tolist())
         self.optimizer.zero_grad(set_to_none=True)
@@ -90,4 +106,68 @@ class GuardedUpdate:
             return queued
         self._ready.synchronize()
         loss_f, norm_f = self._host.tolist()
+        if self.side is not None:  # what the stream runs from here on sees the whole update
+            torch.cuda.current_stream().wait_stream(self.side.stream)
         return loss_f, norm_f
+
+
+class LayeredStep:
+    """The fused optimizer's step on a stream of its own, one layer at a time, each layer's end
+    marked by an event that the next forward waits on before that layer (:meth:`wait`, the
+    model's ``before_layer``). The update, bound by memory bandwidth, then runs beside the next
+    forward's first layers, bound by the tensor cores, instead of before all of them.
+
+    ``layers`` lists the parameters in the order the forward uses them, a list a layer; a
+    parameter of the optimizer in none of them joins the last. The arithmetic is the fused
+    kernel's, element by element, so the weights are bitwise those of one ``step()``.
+    Everything queued on the main stream after :meth:`GuardedUpdate.read` waits for the whole
+    update; in between, only a forward that waits layer by layer may run."""
+
+    # Off: one step() on the main stream even where the trainer hands over the layers; for
+    # the benchmark's comparison, bench_train.py --variant
+    # NAME:@runner.worker.update.LayeredStep.ON=0.
+    ON = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layers: list[list[Tensor]]):
+        self.optimizer = optimizer
+        self.stream = torch.cuda.Stream()
+        where = {id(p): i for i, layer in enumerate(layers) for p in layer}
+        last = len(layers) - 1
+        # Per layer, per optimizer group: the group's parameters in that layer.
+        self.parts: list[list[list[Tensor]]] = [
+            [[] for _ in optimizer.param_groups] for _ in layers
+        ]
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                self.parts[where.get(id(p), last)][gi].append(p)
+        self.events = [torch.cuda.Event() for _ in layers]
+
+    def step(self) -> None:
+        """Queue the update layer by layer on the side stream, after everything queued so far
+        on the main one (the gradients, the clip's scale, the non-finite flag)."""
+        opt, main = self.optimizer, torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        groups = opt.param_groups
+        # Tensors of the main stream the side stream reads: not reused before it has.
+        for t in (getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)):
+            if t is not None:
+                t.record_stream(self.stream)
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.record_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                for parts, event in zip(self.parts, self.events, strict=True):
+                    opt.param_groups = [
+                        {**g, "params": ps} for g, ps in zip(groups, parts, strict=True) if ps
+                    ]
+                    opt.step()
+                    event.record()
+        finally:
+            opt.param_groups = groups
+
+    def wait(self, layer: int) -> None:
+        """Make the current stream wait for layer ``layer``'s update (a no-op before the first
+        update: an event never recorded is complete)."""
+        torch.cuda.current_stream().wait_event(self.events[layer])

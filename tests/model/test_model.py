@@ -272,6 +272,21 @@ def test_param_groups_split_decay_and_no_decay():
     )
 
 
+def test_layer_params_cover_every_parameter_once_in_forward_order():
+    """layer_params (the update's layers) holds each parameter once, and the forward calls
+    before_layer with each layer's index, in order, before it uses that layer."""
+    model = Mamba3LM(tiny())
+    layers = model.layer_params()
+    ids = [id(p) for layer in layers for p in layer]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
+    assert layers[0] == [model.embedding.weight] and layers[-1] == [model.norm_f.weight]
+    seen = []
+    model.before_layer = seen.append
+    idx = torch.randint(0, model.config.vocab_size, (1, 8))
+    model(idx, idx)
+    assert seen == list(range(len(layers)))
+
+
 def test_tied_head_and_initialisation():
     cfg = tiny()
     model = Mamba3LM(cfg)

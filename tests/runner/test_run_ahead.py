@@ -1,7 +1,8 @@
 """The next step's first forward, queued before a step's host read (Trainer._runs_ahead): a
 trainer that runs ahead computes bitwise what one that does not computes, through a non-finite
 step and its retry, and its data position at every step boundary (what a checkpoint saves) is
-the same."""
+the same. On CUDA the update runs beside that forward on a stream of its own, layer by layer
+(update.LayeredStep), and the same holds against a trainer doing neither."""
 
 from __future__ import annotations
 
@@ -11,20 +12,40 @@ from helpers.runs import DEMO_CONFIG, tiny_run_overrides
 
 from runner.config import load_config
 from runner.worker.trainer import Trainer
+from runner.worker.update import LayeredStep
 
 STEPS = 8
+# On the GPU: bf16, fused AdamW, two micro-batches a step, deterministic kernels.
+CUDA_RUN = {
+    "train.device": "cuda",
+    "train.precision": "bf16",
+    "train.grad_accum_steps": 2,
+    "train.deterministic": "true",
+}
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
 
 
-def _train(corpus, run_dir, monkeypatch, run_ahead: bool) -> tuple[list, list, list, dict]:
+def _train(corpus, run_dir, monkeypatch, device: str, overlap: bool) -> tuple[list, ...]:
     """STEPS train_step()s, step 4 poisoned: each step's result, data position and whether a
-    forward was left ahead, and the final weights."""
-    monkeypatch.setattr(Trainer, "RUN_AHEAD", run_ahead)
+    forward was left ahead, and the final weights. ``overlap``: the forward run ahead and (on
+    CUDA) the update beside it, or neither."""
+    monkeypatch.setattr(Trainer, "RUN_AHEAD", overlap)
+    monkeypatch.setattr(LayeredStep, "ON", overlap)
     monkeypatch.setenv("M3RUN_FAULT", "nan_at_step=4")
-    overrides = tiny_run_overrides(corpus, **{"train.total_steps": STEPS})
+    extra = {"train.total_steps": STEPS, **(CUDA_RUN if device == "cuda" else {})}
+    overrides = tiny_run_overrides(corpus, **extra)
     trainer = Trainer(load_config(DEMO_CONFIG, overrides), run_dir, resume="none")
     outs, positions, ahead = [], [], []
     try:
         trainer.setup()
+        # The update runs beside the forward exactly where it should.
+        assert (trainer.update.side is not None) == (overlap and device == "cuda")
         trainer.model.train()
         while trainer.step < STEPS:
             outs.append(trainer.train_step())
@@ -41,10 +62,13 @@ def _nan_named(outs: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_running_ahead_changes_no_loss_weight_or_data_position(corpus, tmp_path, monkeypatch):
-    outs, positions, ahead, weights = _train(corpus, tmp_path / "ahead", monkeypatch, True)
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_running_ahead_changes_no_loss_weight_or_data_position(
+    corpus, tmp_path, monkeypatch, device
+):
+    outs, positions, ahead, weights = _train(corpus, tmp_path / "ahead", monkeypatch, device, True)
     ref_outs, ref_positions, ref_ahead, ref_weights = _train(
-        corpus, tmp_path / "plain", monkeypatch, False
+        corpus, tmp_path / "plain", monkeypatch, device, False
     )
     # One attempt more than steps: step 4 was non-finite, skipped and retried on the next data.
     assert len(outs) == STEPS + 1 and [bool(o.get("bad")) for o in outs].count(True) == 1

@@ -23,11 +23,20 @@ CASES = [
     pytest.param("cpu", "plain", id="cpu-host"),
     pytest.param("cpu", "fused", id="cpu-fused"),
     pytest.param("cuda", "fused", id="cuda-fused", marks=CUDA),
+    pytest.param("cuda", "layered", id="cuda-layered", marks=CUDA),  # on a side stream
 ]
 
 
 def _optimizer(params, kind: str):
-    return torch.optim.AdamW(params, lr=1e-2, fused=kind == "fused")
+    return torch.optim.AdamW(params, lr=1e-2, fused=kind in ("fused", "layered"))
+
+
+def _update(net, opt, device: str, kind: str) -> GuardedUpdate:
+    """The trainer's update; "layered": the net's two linears as two layers (LayeredStep)."""
+    layers = [list(net[0].parameters()), list(net[2].parameters())]
+    update = GuardedUpdate(opt, torch.device(device), layers if kind == "layered" else None)
+    assert (update.side is not None) == (kind == "layered")
+    return update
 
 
 def _net_and_optimizer(device: str, kind: str):
@@ -57,7 +66,7 @@ def _snapshot(net, opt) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("device", "kind"), CASES)
 def test_a_non_finite_step_changes_nothing_and_a_finite_one_steps_as_plain_adamw(device, kind):
     net, opt = _net_and_optimizer(device, kind)
-    update = GuardedUpdate(opt, torch.device(device))
+    update = _update(net, opt, device, kind)
     assert update.in_kernel == (kind != "plain")
     # A first real step, so that the moments and the step count exist and are non-zero.
     loss, norm = _backward(net, device)
@@ -95,7 +104,7 @@ def test_the_update_clips_as_clip_grad_norm_does(device, kind):
     net, opt = _net_and_optimizer(device, kind)
     plain_net = copy.deepcopy(net)
     plain_opt = _optimizer(plain_net.parameters(), kind)
-    update = GuardedUpdate(opt, torch.device(device))
+    update = _update(net, opt, device, kind)
     for seed in (1, 2):  # the second step runs on moments the first clipped step made
         torch.manual_seed(seed)
         loss = net(torch.randn(8, 16, device=device)).square().mean() * 100
