@@ -34,8 +34,9 @@ from runner.protocol import (
 )
 
 from . import standby
+from .excursions import NaNExcursion
 from .preimport import import_in_background
-from .trainer import NaNExcursion, StopRequested, Trainer
+from .trainer import StopRequested, Trainer
 
 # Filesystem errors that no restart can heal: a full disk or quota, a read-only or forbidden
 # run dir, a file past the filesystem's size limit, a planted symbolic link (ELOOP).

@@ -1,6 +1,6 @@
-"""The training loop: setup and resume, `train()` over `train_step()`, the non-finite guard and
-its in-process rollback, evaluation, and the counters a checkpoint keeps. Saving, telemetry and
-building the parts are delegated to the sibling modules.
+"""The training loop: setup and resume, `train()` over `train_step()`, evaluation, and the
+counters a checkpoint keeps. Saving, telemetry, the non-finite steps' policy (excursions.py),
+the update (update.py) and building the parts are delegated to the sibling modules.
 
 A step runs ahead: after queueing its update and before reading its loss and gradient norm (the
 step's one host sync, update.GuardedUpdate), it queues the next step's first micro-batch's
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from model.lm import compile_options
-from runner.checkpoint import layout as ckpt
 from runner.config import RunConfig
 from runner.data.loader import WindowStream, check_vocab, eval_batches
 from runner.data.mixture import train_loader
@@ -48,16 +47,13 @@ from .build import (
 )
 from .checkpointing import Checkpointer
 from .dist import Dist
+from .excursions import Excursions
 from .faults import Faults
 from .ownership import claim_run_dir
 from .preimport import DYNAMO, CompileStack
 from .resume import Resume
 from .telemetry import Pace, Telemetry
 from .update import GuardedUpdate
-
-
-class NaNExcursion(RuntimeError):
-    """Non-finite steps the in-process rollback could not heal (worker exit 76)."""
 
 
 class StopRequested(Exception):
@@ -96,13 +92,11 @@ class Trainer:
         self.stop_signal: int | None = None
         self.step = 0
         self.tokens_seen = 0
-        self.lr_scale = 1.0
-        self.nan_rollbacks = 0
-        self.skip_positions: list[int] = []  # data positions of windows that produced NaN
         # The next step's first micro-batch: its data position and its loss, the forward queued
         # before this step's read (_runs_ahead), or None.
         self._ahead: tuple[int, torch.Tensor] | None = None
         self.dist = Dist()
+        self.excursions = Excursions(cfg.train, self.dist)  # non-finite steps, rollbacks
         # Built by setup(): close() and the exit paths cope with a setup that failed early.
         self.telemetry: Telemetry | None = None
         self.checkpointer: Checkpointer | None = None
@@ -119,17 +113,17 @@ class Trainer:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "lr_scale": self.lr_scale,
-            "nan_rollbacks": self.nan_rollbacks,
-            "skip_positions": list(self.skip_positions),
+            "lr_scale": self.excursions.lr_scale,
+            "nan_rollbacks": self.excursions.rollbacks,
+            "skip_positions": list(self.excursions.skip_positions),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
-        self.lr_scale = float(state["lr_scale"])
-        self.nan_rollbacks = int(state["nan_rollbacks"])
-        self.skip_positions = [int(p) for p in state["skip_positions"]]
+        self.excursions.lr_scale = float(state["lr_scale"])
+        self.excursions.rollbacks = int(state["nan_rollbacks"])
+        self.excursions.skip_positions = [int(p) for p in state["skip_positions"]]
 
     @property
     def last_checkpoint_step(self) -> int | None:
@@ -216,7 +210,7 @@ class Trainer:
         marks["resume_start"] = time.time()
         self.resumed_from = self.checkpointer.resumed_from = resumer.run()
         marks["resume_end"] = time.time()
-        self.lr_scale *= self.lr_scale_arg
+        self.excursions.lr_scale *= self.lr_scale_arg
         self._imported()  # DDP and torch.compile reach into inductor
         self.ddp_model = self.model
         if self.dist.enabled:
@@ -254,10 +248,10 @@ class Trainer:
         t = self.cfg.train
         step = self.step + 1
         self.faults.before_step(step)
-        lr = lr_at(self.cfg, step) * self.lr_scale
+        lr = lr_at(self.cfg, step) * self.excursions.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._skip_bad_windows()
+        self.excursions.skip_windows(self.loader, self.local_accum)
         start_pos = self.loader.windows_consumed
         poison = self.faults.poison(step)
         loss_sum = torch.zeros((), device=self.device)
@@ -287,7 +281,7 @@ class Trainer:
         # non-finite; the gradients are dropped either way.
         queued = self.update.queue(mean, grad_norm, t.grad_clip)
         if self._runs_ahead(step):
-            self._skip_bad_windows()
+            self.excursions.skip_windows(self.loader, self.local_accum)
             with amp:
                 pos = self.loader.windows_consumed
                 self._ahead = pos, self._forward(self.loader.peek_batch())
@@ -302,14 +296,6 @@ class Trainer:
         x, y = (part.to(self.device, non_blocking=True) for part in batch)
         return self.step_model(x, y, eos_id=self.eos_id)
 
-    def _skip_bad_windows(self) -> None:
-        """A NaN streak recorded several consecutive windows: skip every one of them."""
-        while self.loader.windows_consumed in self.skip_positions:
-            pos = self.loader.windows_consumed
-            self.loader.skip(self.local_accum)
-            if self.dist.writer:
-                print(f"skipping the data window at position {pos} (it gave NaN earlier)")
-
     def _runs_ahead(self, step: int) -> bool:
         """Whether step ``step`` queues the next one's first forward before its host read
         (module docstring): not after the last step, before an eval (whose forwards would run
@@ -319,46 +305,6 @@ class Trainer:
         eval_next = every and self.val_batches is not None and step % every == 0
         return (self.RUN_AHEAD and not self.dist.enabled and step < self.cfg.train.total_steps
                 and not eval_next and self.stop_signal is None)  # fmt: skip
-
-    def rollback(self, bad_positions: list[int]) -> None:
-        """In-process recovery from a NaN excursion: back to the latest complete checkpoint,
-        never again on the offending data, with the learning rate scaled down."""
-        self.nan_rollbacks += 1
-        if self.nan_rollbacks > self.cfg.train.nan_max_rollbacks:
-            raise NaNExcursion(
-                f"{self.nan_rollbacks - 1} in-process rollbacks did not heal the non-finite "
-                f"loss/gradients at step {self.step + 1}"
-            )
-        self._ahead = None  # computed on the weights the rollback replaces
-        self.checkpointer.finish_saves()  # a checkpoint still being written is the one to use
-        info = ckpt.latest_complete(self.run_dir, trust_verified=True)
-        if self.dist.enabled:
-            agreed = self.dist.all_min(info.step if info is not None else -1)
-            info = (
-                ckpt.find_step(self.run_dir, agreed, trust_verified=True) if agreed >= 0 else None
-            )
-        if info is None:
-            raise NaNExcursion(
-                f"non-finite loss/gradients at step {self.step + 1} and no complete checkpoint "
-                "to roll back to"
-            )
-        skip = sorted(set(self.skip_positions) | set(bad_positions))
-        rollbacks = self.nan_rollbacks
-        scale = self.lr_scale * self.cfg.train.nan_lr_factor
-        self.checkpointer.load(info.path)
-        # What the rollback decided outlives the checkpoint it restored.
-        self.skip_positions, self.nan_rollbacks, self.lr_scale = skip, rollbacks, scale
-        if not self.dist.writer:
-            return
-        self.telemetry.record(
-            {"kind": "rollback", "step": self.step, "lr_scale": scale, "time": time.time(),
-             "skipped_positions": skip},
-        )  # fmt: skip
-        print(
-            f"NaN rollback #{rollbacks}: restored step {self.step}, lr scale {scale:g}, "
-            f"skipping {len(skip)} data window(s)",
-            flush=True,
-        )
 
     def eval(self) -> float | None:
         if self.val_batches is None or not self.dist.writer:
@@ -382,7 +328,6 @@ class Trainer:
         saves, telemetry = self.checkpointer, self.telemetry
         self.model.train()
         self.set_phase(WorkerPhase.TRAINING)
-        bad_streak: list[int] = []
         # Step time excludes evals and checkpoint saves (they are reported on their own).
         window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
         pace = Pace()
@@ -392,22 +337,12 @@ class Trainer:
                 raise StopRequested
             out = self.train_step()
             if out.get("bad"):
-                bad_streak.append(out["start_pos"])
-                if self.dist.writer:
-                    print(
-                        f"step {self.step + 1}: non-finite loss {out['loss']} / grad norm "
-                        f"{out['grad_norm']}: step skipped ({len(bad_streak)} in a row)",
-                        flush=True,
-                    )
-                    telemetry.record(
-                        {"kind": "nonfinite", "step": self.step + 1, "time": time.time()}
-                    )
-                if len(bad_streak) >= t.nan_max_consecutive:
-                    self.rollback(bad_streak)
-                    bad_streak = []
+                if self.excursions.bad_step(self.step + 1, out, telemetry):
+                    self._ahead = None  # computed on the weights the rollback replaces
+                    self.excursions.rollback(self.step + 1, self.run_dir, saves, telemetry)
                 telemetry.heartbeat()
                 continue
-            bad_streak = []
+            self.excursions.streak = []
             if "first_step_end" not in self.startup_times:
                 self._record_startup()
             window_steps += 1
