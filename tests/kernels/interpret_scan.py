@@ -77,15 +77,17 @@ CASES = [
          reset=((0, 32, 45, 47), (0, 5, 63, 64, 99))),
     dict(b=1, t=70, h=2, p=16, n=16, s=4, g=2, chunk=16, state=True, d=True, z=True,
          reset=((0, 1, 16, 33),), dstate_bv=16),
-    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
-         reset=((0, 32, 45, 47), (0, 5, 63, 64, 99)), chunk_hpp=2),
-    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
-         reset=((0, 32, 45, 47), (0, 5, 63, 64, 99)), chunk_bv=16, fwd_bv=16),
+    # The launch plans with resets: a plan tiles heads and p, not batch rows, so one row with
+    # every reset position of the two above.
+    dict(b=1, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
+         reset=((0, 5, 32, 45, 47, 63, 64, 99),), chunk_hpp=2),
+    dict(b=1, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True,
+         reset=((0, 5, 32, 45, 47, 63, 64, 99),), chunk_bv=16, fwd_bv=16),
     dict(b=1, t=37, h=2, p=24, n=20, s=3, g=1, chunk=16, state=False, d=False, z=True,
          chunk_bv=16, fwd_bv=16),
     dict(b=1, t=90, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=False,
          chunk_hpp=2, chunk_cpp=2, chunk_bv=16),
-    dict(b=2, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True, wg=1),
+    dict(b=1, t=100, h=4, p=32, n=16, s=4, g=1, chunk=32, state=True, d=True, z=True, wg=1),
     dict(b=2, t=70, h=4, p=16, n=16, s=4, g=4, chunk=16, state=False, d=False, z=True,
          reset=((0, 1, 16, 33), (0, 20, 21)), wg=1),
     # Shared angles: every head in one angle program, and in two blocks of two.
