@@ -1,8 +1,8 @@
 """The optimizer update behind the non-finite guard (runner/worker/update.py), on the host path
 (plain AdamW) and on the kernel's (fused AdamW, on CPU and CUDA, the update skipped inside the
-kernel): a non-finite loss or gradient norm leaves weights,
-moments and step count bitwise as they were, a finite step updates exactly as a plain
-``step()`` does, and the clip the update applies is ``clip_grad_norm_``'s."""
+kernel; on CUDA also layer by layer on a stream of its own): a non-finite loss or gradient norm
+leaves weights, moments and step count bitwise as they were, a finite step updates exactly as a
+plain ``step()`` does, and the clip the update applies is ``clip_grad_norm_``'s."""
 
 from __future__ import annotations
 
