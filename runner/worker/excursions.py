@@ -3,8 +3,8 @@ skipped as it comes (update.GuardedUpdate leaves the weights and moments as they
 next step trains on the next data; train.nan_max_consecutive such steps in a row roll the run
 back, in this process, to the latest complete checkpoint, with the learning rate scaled by
 train.nan_lr_factor and the data windows the streak read never trained on again; past
-train.nan_max_rollbacks rollbacks the worker gives up (NaNExcursion: exit 76, and the
-supervisor decides)."""
+train.nan_max_rollbacks rollbacks the worker gives up (NaNExcursion: it exits with
+protocol.EXIT_NAN, and the supervisor decides)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class NaNExcursion(RuntimeError):
-    """Non-finite steps the in-process rollback could not heal (worker exit 76)."""
+    """Non-finite steps the in-process rollback could not heal (the worker's EXIT_NAN)."""
 
 
 class Excursions:
