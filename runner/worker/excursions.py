@@ -63,6 +63,10 @@ class Excursions:
             telemetry.record({"kind": "nonfinite", "step": step, "time": time.time()})
         return len(self.streak) >= self.cfg.nan_max_consecutive
 
+    def good_step(self) -> None:
+        """A finite step: the streak, if any, is over."""
+        self.streak = []
+
     def rollback(
         self, step: int, run_dir: Path, checkpointer: Checkpointer, telemetry: Telemetry
     ) -> None:

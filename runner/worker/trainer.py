@@ -342,7 +342,7 @@ class Trainer:
                     self.excursions.rollback(self.step + 1, self.run_dir, saves, telemetry)
                 telemetry.heartbeat()
                 continue
-            self.excursions.streak = []
+            self.excursions.good_step()
             if "first_step_end" not in self.startup_times:
                 self._record_startup()
             window_steps += 1
