@@ -44,6 +44,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -322,6 +323,14 @@ def main() -> None:
         "(@MODULE[.CLASS].ATTR=INT, e.g. @kernels.swiglu.BLOCK=2048), as ours[NAME] "
         "(repeatable)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --anchor: time ours and the official LM N times, alternating, and print "
+        "each round's ratio and the median (default 1)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny recipe: checks the script")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -329,6 +338,8 @@ def main() -> None:
         raise SystemExit(f"--steps must be ≥ 1, got {a.steps}")
     if a.warmup < 1:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
+    if a.rounds < 1 or (a.rounds > 1 and not a.anchor):
+        raise SystemExit(f"--rounds must be ≥ 1 and needs --anchor beyond 1, got {a.rounds}")
     # (name, config overrides, plan edits, code switches); a misspelt switch fails now, not
     # after the anchor's minutes.
     variants = []
@@ -419,21 +430,29 @@ def main() -> None:
                   f"{r['step_s'] / r_off['step_s']:.3f}×", flush=True)  # fmt: skip
         if make_mixer is not None:
             impl = "stand-in" if a.dry_run else "official"
-            o = run_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)
-            keep(o)
-            print(line(o), flush=True)
-            for text in timing_lines(o):
-                print(f"   {text}", flush=True)
-            mem = (
-                f", peak memory {r['peak_mem_gib'] / o['peak_mem_gib']:.2f}×"
-                if r["peak_mem_gib"] and o["peak_mem_gib"]
-                else ""
-            )
-            print(
-                f"ours / {impl} at mb {micro}: tokens/s "
-                f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}×{mem}",
-                flush=True,
-            )
+            ratios = []
+            for round_ in range(1, a.rounds + 1):
+                if round_ > 1:
+                    r = ours(a.resets != "off", scope)
+                o = run_anchor(cfg, make_mixer, device, steps, a.warmup, peak, impl)
+                keep(o)
+                print(line(o), flush=True)
+                for text in timing_lines(o):
+                    print(f"   {text}", flush=True)
+                mem = (
+                    f", peak memory {r['peak_mem_gib'] / o['peak_mem_gib']:.2f}×"
+                    if r["peak_mem_gib"] and o["peak_mem_gib"]
+                    else ""
+                )
+                ratios.append(r["tokens_per_s"] / o["tokens_per_s"])
+                of = f" (round {round_} of {a.rounds})" if a.rounds > 1 else ""
+                print(f"ours / {impl} at mb {micro}{of}: tokens/s {ratios[-1]:.3f}×{mem}",
+                      flush=True)  # fmt: skip
+            if a.rounds > 1:
+                each = " ".join(f"{x:.3f}" for x in ratios)
+                print(f"ours / {impl} at mb {micro} over {a.rounds} rounds: median "
+                      f"{statistics.median(ratios):.3f}×, min {min(ratios):.3f}× ({each})",
+                      flush=True)  # fmt: skip
         # After the anchor: its line matters more than these if the time runs out.
         for variant in variants:
             rv = ours(a.resets != "off", scope, variant=variant)
