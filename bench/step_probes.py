@@ -155,12 +155,17 @@ def sync(device: torch.device) -> None:
 
 
 def timed_steps(step: Callable[[], object], n: int, device: torch.device) -> dict:
-    """``step()`` n times back to back, timed: the mean step (s) over the whole run, synced at
-    its end; each step's host time (ms; a step that ends in a host read of its loss is timed
-    whole); the Python collections among them; and on CUDA the SM clock, power and clock-event
-    reasons of each step (``step_clocks``, None without samples; ``clock_error`` says why)."""
+    """``step()`` n times back to back after a full collection, timed: the mean step (s) over
+    the whole run, synced at its end; each step's host time (ms; a step that ends in a host read
+    of its loss is timed whole); the Python collections among them; and on CUDA the SM clock,
+    power and clock-event reasons of each step (``step_clocks``, None without samples;
+    ``clock_error`` says why)."""
     step_ms, bounds, pauses = [], [], GcPauses()
     clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
+    # A full collection first: one owed to earlier runs in the process (the models and graphs
+    # that --rounds and --variant leave behind) would otherwise land in whichever stack's steps
+    # come next (a 470 ms pause in the official module's fourth round, 2026-12-03).
+    gc.collect()
     with pauses, clocks or contextlib.nullcontext():
         t0 = t_prev = time.perf_counter()
         for _ in range(n):
