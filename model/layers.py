@@ -12,6 +12,10 @@ from kernels.mamba3 import uses_triton_kernels
 class RMSNorm(nn.Module):
     """Weight-only RMSNorm (no bias), computed in fp32 and cast back to the input dtype."""
 
+    # Off: add() is the plain add and norm under inductor's backward; for the benchmark's
+    # comparison, bench_train.py --variant NAME:@model.layers.RMSNorm.FUSED_ADD=0.
+    FUSED_ADD = True
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
@@ -19,6 +23,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+    def add(self, x: Tensor, delta: Tensor, backend: str = "pytorch") -> tuple[Tensor, Tensor]:
+        """``(s, norm(s))`` for ``s = x + delta``: a residual add and this norm after it. Where
+        ``backend`` (model.scan_backend) resolves to Triton and the stream is fp32, through the
+        operator of kernels/add_rms_norm.py (the norm in delta's dtype; one backward kernel
+        writes the stream's gradient and its copy in delta's dtype); else the plain add and
+        :meth:`forward`."""
+        if self.FUSED_ADD and x.dtype == torch.float32 and uses_triton_kernels(backend, delta):
+            from kernels.add_rms_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        s = x + delta
+        return s, self(s)
 
 
 class SwiGLU(nn.Module):

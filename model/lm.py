@@ -55,8 +55,9 @@ class Block(nn.Module):
         dtype. With DEFER_RESIDUAL_ADD off: ``(output, None)``."""
         if pending is not None:
             x = x + pending
-        x = x + self.mixer(self.mixer_norm(x), reset=reset)
-        out = self.mlp(self.mlp_norm(x))
+        y = self.mixer(self.mixer_norm(x), reset=reset)
+        x, h = self.mlp_norm.add(x, y, self.mlp.backend)
+        out = self.mlp(h)
         if not self.DEFER_RESIDUAL_ADD:
             return x + out, None
         return x, out

@@ -32,6 +32,7 @@ SCRIPTS = {  # a script each
     "opcheck": "opcheck_scan.py",
     "swiglu": "interpret_swiglu.py",
     "cross_entropy": "interpret_cross_entropy.py",
+    "add_rms_norm": "interpret_add_rms_norm.py",
 }
 
 
@@ -133,6 +134,14 @@ def test_the_cross_entropy_kernel_matches_the_pytorch_loss(interpreted):
     both gradients against the PyTorch form in float64, with ignored targets and padding
     columns; ignored rows get nothing; compiled as eagerly; opcheck passes the operator."""
     _ran_ok(interpreted, "cross_entropy")
+
+
+def test_the_add_rms_norm_operator_matches_the_plain_formula(interpreted):
+    """The residual add + RMSNorm operator (interpret_add_rms_norm.py): both outputs and the
+    three gradients against the plain formula in float64, with a width and rows that end
+    inside the kernel's blocks; two backward calls bitwise equal; compiled as eagerly; opcheck
+    passes the backward operator."""
+    _ran_ok(interpreted, "add_rms_norm")
 
 
 def _ran_ok(procs: dict, name: str) -> None:
