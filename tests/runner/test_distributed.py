@@ -23,14 +23,23 @@ def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
                           text=True, timeout=timeout)  # fmt: skip
 
 
-def test_two_processes_reproduce_the_single_process_curve(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def one(corpus, tmp_path_factory):
+    """The single-process run of the global batch both multi-process tests reproduce (10 steps
+    of 4 sequences × 2 accumulation), trained once per module: a worker costs ~7 s of CPU."""
+    run_dir = tmp_path_factory.mktemp("one") / "run"
     ov = tiny_run_overrides(corpus, **{"train.total_steps": 10, "train.grad_accum_steps": 2})
-    one = run_worker(tmp_path / "one", ov)
-    assert one.returncode == 0, one.stderr
+    done = run_worker(run_dir, ov)
+    assert done.returncode == 0, done.stderr
+    return run_dir, ov
+
+
+def test_two_processes_reproduce_the_single_process_curve(one, tmp_path):
+    one_dir, ov = one
     two = torchrun_worker(tmp_path / "two", ov)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "global batch 8 sequences = 4 × 1 accumulation × 2 processes" in two.stdout
-    a, b = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    a, b = train_losses(one_dir), train_losses(tmp_path / "two")
     assert sorted(a) == sorted(b) == list(range(1, 11))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
@@ -52,14 +61,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_supervisors_form_a_two_node_job_through_c10d(corpus, tmp_path):
+def test_two_supervisors_form_a_two_node_job_through_c10d(one, tmp_path):
     """Two hosts simulated on 127.0.0.1: each has its own supervisor and run dir, node 0 hosts
     the rendezvous; both train the same steps and both hold the final checkpoint."""
     from runner.checkpoint.layout import latest_complete
 
-    ov = tiny_run_overrides(corpus, **{"train.total_steps": 8, "train.grad_accum_steps": 2})
-    one = run_worker(tmp_path / "one", ov)
-    assert one.returncode == 0, one.stderr
+    one_dir, ov = one
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
     for rank in (0, 1):
@@ -75,11 +82,11 @@ def test_two_supervisors_form_a_two_node_job_through_c10d(corpus, tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
-    ref = train_losses(tmp_path / "one")
+    ref = train_losses(one_dir)
     for rank in (0, 1):
         run_dir = tmp_path / f"node{rank}"
-        assert latest_complete(run_dir).step == 8
+        assert latest_complete(run_dir).step == 10
         losses = train_losses(run_dir)
-        assert sorted(losses) == list(range(1, 9))
+        assert sorted(losses) == list(range(1, 11))
         for step, loss in ref.items():
             assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), (rank, step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,21 +32,38 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_sigterm_then_relaunch_resumes_exactly(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
+    """The tiny recipe's 30 steps, uninterrupted (checkpoints 20, 25 and 30 kept), trained once
+    per module: the reference of an exact resume, and the run dir that the tests of a relaunch
+    into a trained one start from, each on a copy of its own (copy_of). A worker process costs
+    ~7 s of CPU, its start most of it."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
     ov = tiny_run_overrides(corpus)
-    ref = run_worker(tmp_path / "ref", ov)
-    assert ref.returncode == 0, ref.stderr
+    done = run_worker(run_dir, ov)
+    assert done.returncode == 0, done.stderr
+    assert [c.step for c in list_checkpoints(run_dir)] == [20, 25, 30]
+    return run_dir, ov
 
+
+def copy_of(finished: tuple[Path, list[str]], tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished[0], run_dir, ignore=shutil.ignore_patterns("*.lock"))
+    return run_dir
+
+
+def test_sigterm_then_relaunch_resumes_exactly(finished, tmp_path):
+    ref, ov = finished
     run_dir = tmp_path / "stopped"
     stopped_at = sigterm_worker_at(run_dir, ov)
 
     again = run_worker(run_dir, ov)  # the same command
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and f"(step {stopped_at})" in again.stdout
-    ref_losses, losses = train_losses(tmp_path / "ref"), train_losses(run_dir)
+    ref_losses, losses = train_losses(ref), train_losses(run_dir)
     assert sorted(losses) == list(range(1, 31))
     assert losses == ref_losses  # bitwise: float equality of every logged step
-    assert_bitwise_equal(final_weights(run_dir), final_weights(tmp_path / "ref"))
+    assert_bitwise_equal(final_weights(run_dir), final_weights(ref))
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert any(r["kind"] == "resume" and r["step"] == stopped_at for r in records)
 
@@ -96,35 +114,31 @@ def test_vocab_larger_than_model_is_a_data_error(corpus, tmp_path):
     assert "512" in r.stderr and "300" in r.stderr
 
 
-def test_explicit_resume_step_is_never_overridden_by_auto_resume(corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    ov = tiny_run_overrides(corpus, **{"train.total_steps": 20})
-    assert run_worker(run_dir, ov).returncode == 0
-    r = run_worker(run_dir, ov, "--resume", "10")
+def test_explicit_resume_step_is_never_overridden_by_auto_resume(finished, tmp_path):
+    _, ov = finished
+    run_dir = copy_of(finished, tmp_path)  # finished: auto-resume would take step 30
+    r = run_worker(run_dir, ov, "--resume", "20")
     assert r.returncode == 0, r.stderr
-    assert "(step 10)" in r.stdout
+    assert "(step 20)" in r.stdout
     r = run_worker(run_dir, ov, "--resume", "7")
     assert r.returncode == 78
-    assert "7" in r.stderr and "10" in r.stderr  # names the missing step and the complete ones
+    assert "7" in r.stderr and "20" in r.stderr  # names the missing step and the complete ones
 
 
-def test_resume_none_refuses_a_run_dir_with_checkpoints(corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    ov = tiny_run_overrides(corpus, **{"train.total_steps": 5})
-    assert run_worker(run_dir, ov).returncode == 0
+def test_resume_none_refuses_a_run_dir_with_checkpoints(finished, tmp_path):
+    _, ov = finished
+    run_dir = copy_of(finished, tmp_path)
     r = run_worker(run_dir, ov, "--resume", "none")
     assert r.returncode == 78 and "--force" in r.stderr
     r = run_worker(run_dir, ov, "--resume", "none", "--force")
     assert r.returncode == 0, r.stderr
     aside = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.old-")]
-    assert len(aside) == 1 and (aside[0] / "step_00000005" / "meta.json").exists()
+    assert len(aside) == 1 and (aside[0] / "step_00000030" / "meta.json").exists()
 
 
-def test_changed_config_needs_force(corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    ov = tiny_run_overrides(corpus, **{"train.total_steps": 5})
-    assert run_worker(run_dir, ov).returncode == 0
-    r = run_worker(run_dir, [*ov, "train.lr=1e-3"])
+def test_changed_config_needs_force(finished, tmp_path):
+    _, ov = finished
+    r = run_worker(copy_of(finished, tmp_path), [*ov, "train.lr=1e-3"])
     assert r.returncode == 78 and "--force" in r.stderr
 
 
@@ -244,28 +258,24 @@ def test_lr_schedule_warmup_never_zero_and_ends_at_floor(corpus):
     assert lr_at(wsd, 100) == pytest.approx(wsd.train.lr * wsd.train.min_lr_ratio)
 
 
-def test_heartbeat_and_metrics_records(corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    assert (
-        run_worker(run_dir, tiny_run_overrides(corpus, **{"train.total_steps": 4})).returncode == 0
-    )
+def test_heartbeat_and_metrics_records(finished):
+    run_dir, _ = finished
     hb = json.loads((run_dir / "heartbeat.json").read_text())
-    assert hb["phase"] == "finished" and hb["step"] == 4 and hb["last_checkpoint_step"] == 4
+    assert hb["phase"] == "finished" and hb["step"] == 30 and hb["last_checkpoint_step"] == 30
     rec = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"][-1]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time"):
         assert key in rec
 
 
-def test_each_worker_process_records_its_way_to_the_first_step(corpus, tmp_path):
+def test_each_worker_process_records_its_way_to_the_first_step(finished, tmp_path):
     """One `startup_times` record per process, at its first completed step, with the marks in
     the order they happen: what bench/restart_breakdown.py splits a restart into."""
-    run_dir = tmp_path / "run"
-    ov = tiny_run_overrides(corpus, **{"train.total_steps": 3})
-    assert run_worker(run_dir, ov).returncode == 0
-    again = run_worker(run_dir, tiny_run_overrides(corpus, **{"train.total_steps": 5}), "--force")
+    _, ov = finished
+    run_dir = copy_of(finished, tmp_path)  # the first process's record is in its metrics
+    again = run_worker(run_dir, [*ov, "train.total_steps=33"], "--force")
     assert again.returncode == 0, again.stderr
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "startup_times"]
-    assert [(r["step"], r["resumed_from"]) for r in records] == [(1, None), (4, 3)]
+    assert [(r["step"], r["resumed_from"]) for r in records] == [(1, None), (31, 30)]
     order = ("process_start", "imported", "setup_start", "device_ready", "model_init",
              "model_built", "resume_start", "resume_end", "compile_wrapped", "setup_end",
              "first_step_end")  # fmt: skip
