@@ -134,7 +134,8 @@ def add_rms_norm(x: Tensor, delta: Tensor, w: Tensor, eps: float) -> tuple[Tenso
     """``(s, n)`` with ``s = x + delta`` in x's dtype and ``n = rms_norm(s) ⊙ w`` in delta's,
     the backward through the kernels above: ``x`` an fp32 residual stream (…, D) on a CUDA
     device, ``delta`` a branch's output in bf16, fp16 or fp32, ``w`` (D,). Callers choose it
-    through the model's backend (model.lm.Block); on a machine without Triton it raises."""
+    through the model's backend (model.layers.RMSNorm.add); on a machine without Triton it
+    raises."""
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)
     if x.dtype != torch.float32 or x.shape != delta.shape or w.shape != x.shape[-1:]:
