@@ -8,6 +8,31 @@ from torch import Tensor, nn
 
 from kernels.mamba3 import uses_triton_kernels
 
+# Off: the products are F.linear under autocast, whose bf16 weight gradients inductor casts to
+# the fp32 parameters in kernels of its own; for the benchmark's comparison, bench_train.py
+# --variant NAME:@model.layers.LINEAR_OP=0.
+LINEAR_OP = True
+
+
+def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Tensor]:
+    """``x · w[rows]ᵀ`` for consecutive row blocks of ``w``, ``sizes`` rows each (one block:
+    the plain linear). Where ``backend`` (model.scan_backend) resolves to Triton, through the
+    operator of kernels/linear.py (computed in the autocast dtype as F.linear would be; the
+    backward writes w's fp32 gradient from the products themselves); else F.linear a block."""
+    if LINEAR_OP and uses_triton_kernels(backend, x):
+        from kernels.linear import linear_rows as op
+
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        return op(x, w, sizes, dtype)
+    if len(sizes) == 1:
+        return [F.linear(x, w)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(F.linear(x, w[start : start + n]))
+        start += n
+    return out
+
 
 class RMSNorm(nn.Module):
     """Weight-only RMSNorm (no bias), computed in fp32 and cast back to the input dtype."""
@@ -54,7 +79,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_hidden, d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gu = self.gate_up(x)
+        (gu,) = linear_rows(x, self.gate_up.weight, [self.gate_up.out_features], self.backend)
         if uses_triton_kernels(self.backend, gu):
             from kernels import swiglu
 

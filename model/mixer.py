@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
 
 from .config import ModelConfig
+from .layers import linear_rows
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -76,8 +77,8 @@ class Mamba3Mixer(nn.Module):
         the rest's into one (b, t, 4,336) gradient first: 6 ms of a 435 ms 434m step on an
         H200, docs/benchmarks.md)."""
         w, E = self.in_proj.weight, self.d_inner
-        rest = F.linear(u, w[2 * E :]).split(self.split_sizes[2:], dim=-1)
-        return (F.linear(u, w[: 2 * E]), *rest)
+        zx, rest = linear_rows(u, w, [2 * E, w.shape[0] - 2 * E], self.cfg.scan_backend)
+        return (zx, *rest.split(self.split_sizes[2:], dim=-1))
 
     def _project(self, u: Tensor):
         """in_proj and the per-token parameters. Returns the scan's inputs, token-major: z and
@@ -125,7 +126,8 @@ class Mamba3Mixer(nn.Module):
             backend=self.cfg.scan_backend,
         )  # fmt: skip
         y, state = out if return_final_state else (out, None)
-        y = self.out_proj(y.reshape(b, t, self.d_inner))
+        w = self.out_proj.weight
+        (y,) = linear_rows(y.reshape(b, t, self.d_inner), w, [w.shape[0]], self.cfg.scan_backend)
         return (y, state) if return_final_state else y
 
     def empty_state(self, batch: int, device, dtype=torch.float32) -> State:
