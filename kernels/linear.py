@@ -22,19 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, start + n))
-        start += n
-    return out
-
-
 @torch.library.custom_op("m3run::linear_rows", mutates_args=())
 def linear_rows_op(x: Tensor, w: Tensor, wc: Tensor, sizes: list[int]) -> list[Tensor]:
     """(…, K) ``x``, (N, K) ``w`` and its cast ``wc`` in x's dtype, N = Σ sizes → one
     (…, sizes[i]) product a row block, in x's dtype."""
-    return [F.linear(x, wc[a:b]) for a, b in _bounds(sizes)]
+    return [F.linear(x, wc_i) for wc_i in wc.split(sizes)]
 
 
 @linear_rows_op.register_fake
@@ -62,13 +54,13 @@ def linear_rows_bwd_op(
     x2 = x.reshape(-1, k)
     dw = torch.empty_like(w)
     dx = None
-    for (a, b), dy in zip(_bounds(sizes), dys, strict=True):
-        dy2 = dy.reshape(-1, b - a).to(x.dtype)
+    for dy, wc_i, dw_i in zip(dys, wc.split(sizes), dw.split(sizes), strict=True):
+        dy2 = dy.reshape(-1, wc_i.shape[0]).to(x.dtype)
         if dx is None:
-            dx = torch.mm(dy2, wc[a:b])
+            dx = torch.mm(dy2, wc_i)
         else:
-            dx.addmm_(dy2, wc[a:b])
-        _mm_into(dw[a:b], dy2.t(), x2)
+            dx.addmm_(dy2, wc_i)
+        _mm_into(dw_i, dy2.t(), x2)
     return dx.view(x.shape), dw
 
 
@@ -85,10 +77,6 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dys):
     x, w, wc = ctx.saved_tensors
-    dys = [
-        torch.zeros(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if dy is None else dy
-        for dy, n in zip(dys, ctx.sizes, strict=True)
-    ]
     dx, dw = linear_rows_bwd_op(x, w, wc, [dy.contiguous() for dy in dys], ctx.sizes)
     return dx, dw, None, None
 

@@ -14,6 +14,12 @@ from kernels.mamba3 import uses_triton_kernels
 LINEAR_OP = True
 
 
+def autocast_dtype(x: Tensor) -> torch.dtype:
+    """The dtype autocast computes in on x's device where it is on, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Tensor]:
     """``x · w[rows]ᵀ`` for consecutive row blocks of ``w``, ``sizes`` rows each (one block:
     the plain linear). Where ``backend`` (model.scan_backend) resolves to Triton, through the
@@ -22,16 +28,10 @@ def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Te
     if LINEAR_OP and uses_triton_kernels(backend, x):
         from kernels.linear import linear_rows as op
 
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        return op(x, w, sizes, dtype)
+        return op(x, w, sizes, autocast_dtype(x))
     if len(sizes) == 1:
         return [F.linear(x, w)]
-    out, start = [], 0
-    for n in sizes:
-        out.append(F.linear(x, w[start : start + n]))
-        start += n
-    return out
+    return [F.linear(x, w_i) for w_i in w.split(sizes)]
 
 
 class RMSNorm(nn.Module):

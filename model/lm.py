@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels.mamba3 import State
 
 from .config import ModelConfig
-from .layers import RMSNorm, SwiGLU
+from .layers import RMSNorm, SwiGLU, autocast_dtype
 from .loss import IGNORE_INDEX, linear_cross_entropy
 from .mixer import Mamba3Mixer
 
@@ -151,9 +151,7 @@ class Mamba3LM(nn.Module):
         if Block.DEFER_RESIDUAL_ADD:
             # The first block's: zeros in the dtype every block's MLP returns, needing a
             # gradient where theirs do, so that one compiled graph serves every block.
-            dev = x.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            pending = torch.zeros_like(x, dtype=dtype).requires_grad_(x.requires_grad)
+            pending = torch.zeros_like(x, dtype=autocast_dtype(x)).requires_grad_(x.requires_grad)
         for i, block in enumerate(self.layers, start=1):
             self._before(i)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():

@@ -17,6 +17,8 @@ from torch import Tensor
 from kernels import IGNORE_INDEX
 from kernels.mamba3 import uses_triton_kernels
 
+from .layers import autocast_dtype
+
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -117,8 +119,7 @@ def linear_cross_entropy(
             f"n_classes must be in 1..{weight.shape[0]} (weight rows), got {n_classes}"
         )
     d = hidden.shape[-1]
-    if torch.is_autocast_enabled(hidden.device.type):
-        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+    hidden = hidden.to(autocast_dtype(hidden))
     with torch.autocast(hidden.device.type, enabled=False):
         use_kernel = uses_triton_kernels(backend, hidden)
         out = LinearCrossEntropy.apply(

@@ -23,11 +23,7 @@ def rel(a, b):
 
 
 def plain(x, w, sizes, dtype):
-    out, start = [], 0
-    for n in sizes:
-        out.append(F.linear(x.to(dtype), w[start : start + n].to(dtype)))
-        start += n
-    return out
+    return [F.linear(x.to(dtype), w_i.to(dtype)) for w_i in w.split(sizes)]
 
 
 def grads(fn, x, w, sizes, dtype, gys):
