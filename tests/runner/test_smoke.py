@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
 
 from runner.config import load_config
-from runner.worker.smoke import CHECKS, run_smoke
+from runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 
 
 def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
@@ -39,3 +39,31 @@ def test_smoke_failure_names_the_check_and_the_problem(tmp_path):
     assert "prepare-data" in msg
     dependent = {c.name: c.status for c in result.checks}
     assert dependent["model forward/backward"] == "skipped"
+
+
+def test_the_checkpoint_round_trip_runs_in_the_run_dir_and_leaves_nothing(corpus, tmp_path):
+    # Under the supervisor check 7 writes where the run's checkpoints go, in a scratch
+    # directory it removes, along with any a smoke test killed mid-write left behind.
+    run_dir = tmp_path / "run"
+    stale = run_dir / f"{SCRATCH_PREFIX}killed" / "checkpoints"
+    stale.mkdir(parents=True)
+    result = run_smoke(load_config(DEMO_CONFIG, tiny_run_overrides(corpus)), run_dir, echo=None)
+    assert result.ok, result.failed_check_message
+    check = {c.name: c for c in result.checks}["checkpoint save/verify/load"]
+    assert check.status == "ok" and "beside checks 3–6" in check.message, check
+    assert list(run_dir.iterdir()) == []
+
+
+def test_a_checkpoint_round_trip_that_fails_on_its_thread_fails_check_7(corpus, tmp_path):
+    # Check 7 runs on a thread beside checks 3–6: a run dir that refuses its scratch directory
+    # (a file where the directory should be; root cannot get past that either) must fail check
+    # 7 with the error and the path, leave the other checks as they were, and not hang.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    result = run_smoke(load_config(DEMO_CONFIG, tiny_run_overrides(corpus)), blocker, echo=None)
+    by_name = {c.name: c for c in result.checks}
+    check = by_name["checkpoint save/verify/load"]
+    assert check.status == "failed" and str(blocker) in check.message, check
+    assert result.failed_check_message.startswith("check 7 (checkpoint save/verify/load) failed")
+    for name in ("model forward/backward", "one optimizer step lowers the loss"):
+        assert by_name[name].status == "ok", by_name[name]
