@@ -379,6 +379,19 @@ def worker_rows(
     ]
 
 
+def smoke_check_rows(run_dir: Path) -> list[dict]:
+    """The smoke test's checks with their seconds (RUN_DIR/smoke.json), as rows inside its own:
+    they do not add to the total (process start and imports are outside every check)."""
+    from runner.protocol import SMOKE_FILE
+
+    try:
+        checks = json.loads((run_dir / SMOKE_FILE).read_text()).get("checks", [])
+    except (OSError, ValueError):
+        return []
+    return [_row(f"· check {c['number']}", c["seconds"], f"{c['name']} ({c['status']}), in the "
+                 "smoke test") for c in checks]  # fmt: skip
+
+
 def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | None) -> list[dict]:
     """`m3run launch` (at t_launch) to the first completed step of its first worker."""
     ev_launch = first_event(run_dir, "launch", t_launch - 1)
@@ -394,6 +407,7 @@ def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | N
         at = health["time"]
     if smoke is not None:
         rows.append(_row("smoke test", smoke["time"] - at, str(smoke.get("reason", ""))[:70]))
+        rows += smoke_check_rows(run_dir)
         at = smoke["time"]
     rows.append(_row("worker spawn", spawn["time"] - at))
     rows += worker_rows(start, spawn["time"], steady_s, bool(spawn.get("warm_spare")))
