@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -377,21 +378,25 @@ if triton is not None:
 
 # --- launching ---------------------------------------------------------------------------------
 
-# Where launches go instead of the GPU while a recorder is set: triton_report compiles them for
-# a chosen architecture without a GPU (registers, spills, shared memory).
-_recorder = None
+# Where this thread's launches go instead of the GPU while a recorder is set: triton_report
+# compiles them for a chosen architecture without a GPU (registers, spills, shared memory), and
+# triton_precompile compiles them before their first use. Per thread, so that recording on one
+# thread never takes another's launches.
+_recording = threading.local()
 
 
 def set_recorder(recorder) -> None:
-    global _recorder
-    _recorder = recorder
+    """Hand this thread's launches to ``recorder(name, kernel, grid, args, constexprs, cfg)``
+    instead of launching them (None: launch them again)."""
+    _recording.recorder = recorder
 
 
 def launch(name: str, kernel, grid: tuple, args: tuple, constexprs: dict, cfg: LaunchConfig):
-    """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to the
-    recorder."""
-    if _recorder is not None:
-        _recorder(name, kernel, grid, args, constexprs, cfg)
+    """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to this
+    thread's recorder."""
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is not None:
+        recorder(name, kernel, grid, args, constexprs, cfg)
         return
     kernel[grid](*args, **constexprs, **cfg.launch_kwargs())
 

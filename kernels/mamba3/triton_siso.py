@@ -10,6 +10,10 @@ state (autograd takes it back to its four parts) and the final ``k_state`` / ``v
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -37,6 +41,34 @@ def segment_ids(reset: Tensor, chunk: int) -> Tensor:
 # 0.54 ms slower per layer that way) and no functionalisation copy is made around them.
 
 
+# Recording (kernels/mamba3/triton_precompile.py): while a thread records for a device, meta
+# tensors that reach the operators' fake implementations run the real bodies instead, under that
+# device's launch plan, so every launch a call would make is handed to the thread's recorder
+# (triton_common.set_recorder) with the arguments it would have. Other threads, and fake tensors
+# under torch.compile, see the fake implementations as they are.
+_recording = threading.local()
+
+
+@contextmanager
+def recording_for(device: torch.device) -> Iterator[None]:
+    """Within this block, this thread's calls on meta tensors run the kernels' launchers under
+    ``device``'s launch plan (set a recorder too, or the launches fail on meta tensors)."""
+    _recording.device = device
+    try:
+        yield
+    finally:
+        _recording.device = None
+
+
+def _recording_device() -> torch.device | None:
+    return getattr(_recording, "device", None)
+
+
+def _plan_device(v: Tensor) -> torch.device:
+    """The device whose launch plan applies to a call on ``v``."""
+    return _recording_device() or v.device
+
+
 def _unpack(v: Tensor, z: Tensor | None, packed: bool) -> tuple[Tensor, Tensor | None]:
     """v and z of the operators' arguments: with ``packed``, ``v`` holds both, (b, t, 2, h, p),
     z first (its gradient comes back packed the same way)."""
@@ -50,8 +82,14 @@ def siso_fwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
                 save: bool,
                 packed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """y, Φ_T, G_T and (``save``; else empty) the per-chunk entering state and angle."""
+    return _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg,
+                     chunk_size, save, packed)  # fmt: skip
+
+
+def _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size,
+              save, packed):  # fmt: skip
     v, z = _unpack(v, z, packed)
-    plan = plan_for(v.device, v.shape[3], q.shape[3], chunk_size, v.dtype)
+    plan = plan_for(_plan_device(v), v.shape[3], q.shape[3], chunk_size, v.dtype)
     y, phi_t, g_t, g_in, phi_in = siso_fwd(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, plan.chunk,
         save, plan.configs["fwd"],
@@ -64,6 +102,9 @@ def siso_fwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
 @siso_fwd_op.register_fake
 def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size, save,
       packed):  # fmt: skip
+    if _recording_device() is not None:
+        return _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg,
+                         chunk_size, save, packed)  # fmt: skip
     v, z = _unpack(v, z, packed)
     b, t, h, p = v.shape
     n, s = q.shape[3], angles.shape[3]
@@ -86,9 +127,15 @@ def siso_bwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
                 packed: bool) -> list[Tensor]:  # fmt: skip
     """The gradient of every input of :func:`siso_fwd_op` (dz, dd empty without z, d; with
     ``packed``, the packed gradient of z and v in dv's place and dz empty)."""
+    return _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
+                     dy, dg_t, dphi_t, chunk_size, packed)  # fmt: skip
+
+
+def _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
+              dg_t, dphi_t, chunk_size, packed):  # fmt: skip
     dzv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if packed else None
     v, z = _unpack(v, z, packed)
-    plan = plan_for(v.device, v.shape[3], q.shape[3], chunk_size, v.dtype)
+    plan = plan_for(_plan_device(v), v.shape[3], q.shape[3], chunk_size, v.dtype)
     grads = list(siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in,
                           phi_in, dy, dg_t, dphi_t, plan.chunk, plan.configs, dzv))  # fmt: skip
     if packed:
@@ -99,6 +146,9 @@ def siso_bwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
 @siso_bwd_op.register_fake
 def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy, dg_t, dphi_t,
       chunk_size, packed):  # fmt: skip
+    if _recording_device() is not None:
+        return _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
+                         dy, dg_t, dphi_t, chunk_size, packed)  # fmt: skip
     dv = v.new_empty(v.shape)
     v, z = _unpack(v, z, packed)
     b, t, g, n = q.shape
@@ -224,7 +274,8 @@ def mamba3_siso_triton(
         g0 = (h0 + c0[..., None, None] * (v0[..., :, None] * k0[..., None, :])).contiguous()
     seg = None
     if reset is not None:
-        seg = segment_ids(reset, plan_for(v.device, v.shape[3], n, chunk_size, v.dtype).chunk)
+        seg = segment_ids(reset, plan_for(_plan_device(v), v.shape[3], n, chunk_size,
+                                          v.dtype).chunk)  # fmt: skip
     inputs = (q, k, zv if packed else v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     y, phi_t, g_t, _, _ = siso_fwd_op(*inputs, seg, chunk_size, save, packed)
