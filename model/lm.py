@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.mamba3 import State
+from kernels.mamba3 import State, uses_triton_kernels
 
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, autocast_dtype
@@ -133,6 +133,24 @@ class Mamba3LM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def precompile_scan(self, batch: int, seq_len: int, dtype: torch.dtype, reset: bool):
+        """Start compiling, on a pool of threads, the scan kernels that training steps on
+        (batch, seq_len) windows and their evaluation will launch (in ``dtype``, the autocast
+        dtype; with ``reset``, the packed documents' resets), before their first launch
+        (kernels/mamba3/triton_precompile.py). Returns the compile's future (a one-line
+        summary, or its error), or None where the scan does not run on Triton kernels."""
+        device = self.embedding.weight.device
+        probe = torch.empty(0, dtype=dtype, device=device)
+        if not uses_triton_kernels(self.config.scan_backend, probe):
+            return None
+        from kernels.mamba3.triton_precompile import precompile, scan_launches
+
+        c = self.config
+        launches = scan_launches(batch, seq_len, c.nheads, c.headdim, c.d_state, c.n_angles,
+                                 g=c.ngroups, chunk_size=c.chunk_size, dtype=dtype, reset=reset,
+                                 device=device)  # fmt: skip
+        return precompile(launches, device)
 
     def layer_params(self) -> list[list[nn.Parameter]]:
         """The parameters in the order the forward first uses them, a list a layer: the

@@ -138,6 +138,7 @@ class _Smoke:
         self.model = build_model(self.cfg, self.device)
         self.round_trip = _start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
+        compiled = self._precompile(*x.shape)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.autocast():
@@ -154,7 +155,22 @@ class _Smoke:
             raise CheckFailed(f"{bad} parameters got non-finite gradients")
         self.model.zero_grad(set_to_none=True)
         expect = math.log(self.cfg.model.vocab_size)
-        return f"loss {loss.item():.3f} (ln V = {expect:.3f}), {self.model.num_params():,} params"
+        return (f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
+                f"{self.model.num_params():,} params{compiled}")  # fmt: skip
+
+    def _precompile(self, batch: int, seq_len: int) -> str:
+        """The scan kernels this forward/backward and the run will launch, compiled on a pool of
+        threads before the first launch, waited for; what it did, for check 3's message (a
+        compile that failed is said there: its kernels then compile at their first launch)."""
+        assert self.model is not None
+        dtype = self.amp or torch.float32
+        job = self.model.precompile_scan(batch, seq_len, dtype, reset=self.eos_id is not None)
+        if job is None:
+            return ""
+        try:
+            return f"; {job.result()}"
+        except Exception as e:
+            return f"; precompiling the scan kernels failed ({e}): compiled at first launch"
 
     # 4
     def backend_every_block(self) -> str:

@@ -193,6 +193,13 @@ class Trainer:
         check_vocab(self.loader, cfg.model.vocab_size)
         # data.reset_at_eos: the scan state restarts after every EOS, in training and eval.
         self.eos_id = self.loader.eos_id if cfg.data.reset_at_eos else None
+        # The scan's kernels compile on a pool of threads from here on, beside the checkpoint
+        # load and torch.compile's work, rather than one by one at their first launch.
+        precompile = self.model.precompile_scan(t.micro_batch_size, cfg.data.seq_len,
+                                                self.autocast_dtype or torch.float32,
+                                                reset=self.eos_id is not None)  # fmt: skip
+        if precompile is not None and self.dist.writer:
+            precompile.add_done_callback(_say_precompiled)
         self.val_batches = None
         if cfg.eval.interval_steps and cfg.data.val_path:
             self.val_batches = eval_batches(
@@ -412,3 +419,12 @@ class Trainer:
             self.telemetry.close()
         if self._ownership is not None:
             self._ownership.release()
+
+
+def _say_precompiled(job) -> None:
+    """The scan kernels' precompile in the worker's log, said by the thread that ended it."""
+    try:
+        print(f"precompile: {job.result()}", flush=True)
+    except Exception as e:
+        print(f"precompile: compiling the scan kernels ahead failed ({e}); each compiles at its "
+              "first launch instead", flush=True)  # fmt: skip
