@@ -22,8 +22,12 @@ import psutil
 
 from runner.files import lock_holder, open_append
 
-# psutil derives create times from clock ticks since boot; two reads can differ by rounding.
-_CREATE_TIME_TOLERANCE_S = 0.5
+# psutil's create time is the clock ticks since boot plus the boot time of /proc/stat, whole
+# seconds that the kernel derives from the wall clock: when the clock is adjusted (NTP), two
+# processes reading it can see boot times a second apart, so the same process's create time
+# differs by a second. A reused pid matching within this tolerance would have to be born
+# within it of the process it replaces.
+_CREATE_TIME_TOLERANCE_S = 1.5
 
 
 def create_time(pid: int) -> float | None:
