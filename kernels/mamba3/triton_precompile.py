@@ -100,7 +100,10 @@ def precompile(launches: list[Launch], device: torch.device,
     """Compile each distinct launch with Triton's ``warmup`` on ``threads`` daemon threads (at
     most one a launch and one a CPU), the CUDA ``device`` current on each. Returns at once; the
     future holds a one-line summary when every compile has ended, or the first error. Daemon
-    threads: a process that exits meanwhile does not wait for them."""
+    threads: a process that exits meanwhile does not wait for them. A CUDA device without an
+    index is the caller's current one."""
+    if device.type == "cuda" and device.index is None:  # set_device() needs the index
+        device = torch.device("cuda", torch.cuda.current_device())
     distinct = list({launch.key(): launch for launch in launches}.values())
     done: Future[str] = Future()
     if not distinct:
