@@ -50,8 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_bwd_chunk import siso_bwd_chunk_kernel
-from .triton_bwd_tiles import gate, rotated_tile
+from .triton_bwd_chunk import gate, rotated_tile, siso_bwd_chunk_kernel
 from .triton_common import (
     PI,
     LaunchConfig,
@@ -295,8 +294,7 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
     flags = dict(BT=BT, BP=BP, BN2=BN2, BR=BR, HPP=hpp, CPP=cpp, HAS_D=d is not None,
                  HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
-                 WG=bool(cfgs["bwd_chunk"].wg), HALVES=bool(cfgs["bwd_chunk"].halves),
-                 DENSE=dense)  # fmt: skip
+                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=dense)  # fmt: skip
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out

@@ -2,9 +2,9 @@
 Triton, the tile caps, the launch configurations (a checked-in table per GPU architecture, read at
 launch) and the jit helpers both directions call.
 
-Nothing here launches a kernel. ``triton_fwd``, ``triton_sums`` and ``triton_bwd_tiles`` import
-from this module only, ``triton_bwd_chunk`` from it and ``triton_bwd_tiles``, ``triton_bwd`` from
-all of them; ``triton_siso`` composes the forward and backward into the autograd Function.
+Nothing here launches a kernel. ``triton_fwd``, ``triton_sums`` and ``triton_bwd_chunk`` import
+from this module only, ``triton_bwd`` from it and the latter two; ``triton_siso`` composes the
+forward and backward into the autograd Function.
 """
 
 from __future__ import annotations
@@ -119,10 +119,7 @@ class LaunchConfig:
     p-block body ignores it) form their (chunk × 64) products transposed (:func:`dot_t`), as
     warpgroup MMAs on sm_90. ``hb``, for the angle kernel with one set of angles for every
     head: the blocks the heads are split into (the largest divisor of h not above it), a
-    program each, their summed gradients added after (1: a program takes every head).
-    ``halves`` 1 (the default) has the chunk kernel, in one pass over p with one head a program,
-    hold q̄, k̄, the states and their gradients as two halves of n where the angles turn half
-    the pairs (:func:`kernels.mamba3.triton_bwd_chunk._chunk_head_halves`); 0 holds n whole."""
+    program each, their summed gradients added after (1: a program takes every head)."""
 
     num_warps: int
     num_stages: int
@@ -132,7 +129,6 @@ class LaunchConfig:
     cpp: int = 1
     wg: int = 0
     hb: int = 1
-    halves: int = 1
 
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -143,7 +139,7 @@ class LaunchConfig:
     def as_dict(self) -> dict:
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
                "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
-        for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0), ("hb", 1), ("halves", 1)):
+        for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0), ("hb", 1)):  # where not default
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
         return out
@@ -362,8 +358,7 @@ if triton is not None:
         return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BT, 2 * B))
 
     @triton.jit
-    def rotate_pairs(b_a, b_cos, b_sin, BT: tl.constexpr, BR: tl.constexpr):
-        """R(Φ)a for a (BT × 2·BR) fp32 tile whose every pair (adjacent columns) turns."""
+    def _rotate_pairs(b_a, b_cos, b_sin, BT: tl.constexpr, BR: tl.constexpr):
         b_e, b_o = tl.split(tl.reshape(b_a, (BT, BR, 2)))
         b_r = tl.join(b_e * b_cos - b_o * b_sin, b_e * b_sin + b_o * b_cos)
         return tl.reshape(b_r, (BT, 2 * BR))
@@ -374,10 +369,10 @@ if triton is not None:
         cos Φ, sin Φ (BT × BR) of its first BR pairs (:meth:`Tiles.rot_pairs`): those columns
         split into even and odd in registers, rotated, joined back; the rest as they are."""
         if BR == BN2:
-            b_r = rotate_pairs(b_a, b_cos, b_sin, BT, BR)
+            b_r = _rotate_pairs(b_a, b_cos, b_sin, BT, BR)
         else:
             b_1, b_2 = halves(b_a, BT, BN2)
-            b_r = unhalves(rotate_pairs(b_1, b_cos, b_sin, BT, BR), b_2, BT, BN2)
+            b_r = unhalves(_rotate_pairs(b_1, b_cos, b_sin, BT, BR), b_2, BT, BN2)
         return b_r
 
 
