@@ -379,13 +379,17 @@ def worker_rows(
     ]
 
 
-def smoke_check_rows(run_dir: Path) -> list[dict]:
+def smoke_check_rows(run_dir: Path, since: float) -> list[dict]:
     """The smoke test's checks with their seconds (RUN_DIR/smoke.json), as rows inside its own:
-    they do not add to the total (process start and imports are outside every check)."""
+    they do not add to the total (process start and imports are outside every check). None
+    where the file predates ``since``: a skipped smoke test leaves an earlier launch's there."""
     from runner.protocol import SMOKE_FILE
 
     try:
-        checks = json.loads((run_dir / SMOKE_FILE).read_text()).get("checks", [])
+        path = run_dir / SMOKE_FILE
+        if path.stat().st_mtime < since:
+            return []
+        checks = json.loads(path.read_text()).get("checks", [])
     except (OSError, ValueError):
         return []
     return [_row(f"· check {c['number']}", c["seconds"], f"{c['name']} ({c['status']}), in the "
@@ -407,7 +411,7 @@ def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | N
         at = health["time"]
     if smoke is not None:
         rows.append(_row("smoke test", smoke["time"] - at, str(smoke.get("reason", ""))[:70]))
-        rows += smoke_check_rows(run_dir)
+        rows += smoke_check_rows(run_dir, t_launch)
         at = smoke["time"]
     rows.append(_row("worker spawn", spawn["time"] - at))
     rows += worker_rows(start, spawn["time"], steady_s, bool(spawn.get("warm_spare")))
