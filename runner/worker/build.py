@@ -11,7 +11,7 @@ import torch
 
 from kernels.mamba3 import BackendUnavailableError, resolve_backend
 from model import Mamba3LM
-from model.lm import param_groups
+from model.lm import compile_options, param_groups
 from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
 from runner.files import atomic_write_text
 from runner.protocol import CONFIG_FILE
@@ -99,13 +99,36 @@ def resolve_scan_backend(cfg: RunConfig, device: torch.device) -> str:
 
 
 def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
-    """A freshly initialised model on `device`, seeded by train.seed. Built and initialised
-    there: the 434m model's init takes seconds on the CPU (and again on every restart, before a
-    checkpoint overwrites it) against a fraction of a second on a GPU. The init values depend
-    on the device's generator, so a CPU and a GPU run of one seed start from different weights."""
+    """A freshly initialised model on `device`, seeded by train.seed, with
+    train.activation_checkpointing. Built and initialised there: the 434m model's init takes
+    seconds on the CPU (and again on every restart, before a checkpoint overwrites it) against a
+    fraction of a second on a GPU. The init values depend on the device's generator, so a CPU
+    and a GPU run of one seed start from different weights."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
-        return Mamba3LM(cfg.model)
+        model = Mamba3LM(cfg.model)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    return model
+
+
+def compile_for_training(
+    model: Mamba3LM, t: TrainConfig, wrapped: torch.nn.Module | None = None,
+    backend: str = "inductor",
+) -> torch.nn.Module:  # fmt: skip
+    """What a training step calls: ``wrapped`` (the model, or DDP around it) compiled as
+    train.compile and train.compile_scope say (scope "blocks": each block compiled in place,
+    the wrapper returned as it is), under inductor with the mode's :func:`compile_options`, or
+    another ``backend`` (tests). One copy for the trainer and the smoke test: the smoke test's
+    forward/backward through it at the run's shapes traces and compiles what the worker's first
+    step will, so the worker reads inductor's and Triton's caches instead of compiling again."""
+    wrapped = model if wrapped is None else wrapped
+    if not t.compile:
+        return wrapped
+    if t.compile_scope == "model":
+        kwargs = {"options": compile_options(t.compile_mode)} if backend == "inductor" else {}
+        return torch.compile(wrapped, backend=backend, **kwargs)
+    model.compile_blocks(mode=t.compile_mode, backend=backend)
+    return wrapped
 
 
 def build_optimizer(

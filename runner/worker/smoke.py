@@ -12,12 +12,20 @@ first forward/backward compiles the kernels), and check 7 waits for its verdict.
 took 10 s of a 44 s smoke test run in turn. Under the supervisor it writes inside the run dir
 (a hidden scratch directory, removed after), so it proves the filesystem the run's checkpoints
 go to; `m3run smoke` alone writes to the system's temp directory.
+
+With train.compile, check 3 runs the model as the worker's steps will: compiled by the trainer's
+own call (build.compile_for_training), at the run's micro-batch and sequence length, under the
+same determinism switches. Its compile fails the launch here rather than crash-looping the
+worker, its peak memory is the compiled step's, and it leaves inductor's and Triton's caches
+(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, shared with the worker) holding what the worker's
+first step compiles: the worker then loads it instead of compiling. The checks after it that run
+other shapes (check 4's single row) run eagerly, and check 6 steps a fresh, uncompiled copy.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import math
 import shutil
 import sys
@@ -41,7 +49,15 @@ from runner.data.mixture import train_loader
 from runner.files import atomic_write_json
 from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
 
-from .build import autocast, build_model, build_optimizer, precision_dtype, resolve_device
+from .build import (
+    autocast,
+    build_model,
+    build_optimizer,
+    compile_for_training,
+    precision_dtype,
+    resolve_device,
+    set_determinism,
+)
 
 # How long check 3 waits for the scan kernels' precompile before its forward goes on without
 # it (about 3 s on an H200 host's CPU is expected; a kernel still compiling then compiles again).
@@ -85,12 +101,15 @@ class SmokeResult:
 
 
 class _Smoke:
-    def __init__(self, cfg: RunConfig, scratch: Path | None = None):
+    def __init__(self, cfg: RunConfig, scratch: Path | None = None, compile_backend="inductor"):
         self.cfg = cfg
         self.scratch = scratch  # where check 7 writes (None: the system's temp directory)
+        self.compile_backend = compile_backend  # train.compile's (tests pass a CPU-only one)
+        set_determinism(cfg.train.deterministic)  # as the trainer: the compile's cache keys too
         self.device = resolve_device(cfg)
         self.amp = precision_dtype(cfg, self.device)
         self.model: Mamba3LM | None = None
+        self.compiled = False  # check 3 ran the model through train.compile's compile
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.eos_id: int | None = None  # with data.reset_at_eos, as the trainer runs the model
         self.backend: str | None = None
@@ -142,11 +161,13 @@ class _Smoke:
         self.model = build_model(self.cfg, self.device)
         self.round_trip = _start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
-        compiled = self._precompile(*x.shape)
+        precompiled = self._precompile(*x.shape)
+        step_model = compile_for_training(self.model, self.cfg.train, backend=self.compile_backend)
+        self.compiled = self.cfg.train.compile
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.autocast():
-            loss = self.model(x, y, eos_id=self.eos_id)
+            loss = step_model(x, y, eos_id=self.eos_id)
         loss.backward()
         grads = [p.grad for p in self.model.parameters()]
         if not math.isfinite(loss.item()):
@@ -159,8 +180,17 @@ class _Smoke:
             raise CheckFailed(f"{bad} parameters got non-finite gradients")
         self.model.zero_grad(set_to_none=True)
         expect = math.log(self.cfg.model.vocab_size)
+        t = self.cfg.train
+        how = f", compiled (scope {t.compile_scope}) as the worker runs it" if t.compile else ""
         return (f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
-                f"{self.model.num_params():,} params{compiled}")  # fmt: skip
+                f"{self.model.num_params():,} params{how}{precompiled}")  # fmt: skip
+
+    def eager(self):
+        """Runs what check 3 compiled eagerly inside it: the later checks' shapes and copies
+        would otherwise compile again (or run the compiled blocks of the model they copied)."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager")
 
     def _precompile(self, batch: int, seq_len: int) -> str:
         """The scan kernels this forward/backward and the run will launch, compiled on a pool of
@@ -193,7 +223,7 @@ class _Smoke:
 
         hooks = [blk.mixer.register_forward_hook(record) for blk in self.model.layers]
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), self.eager():
                 self.model(self.batch[0][:1].to(self.device), eos_id=self.eos_id)
         finally:
             for h in hooks:
@@ -258,7 +288,9 @@ class _Smoke:
     def optimizer_step(self) -> str:
         if self.model is None or self.batch is None:
             raise CheckSkipped("no model: the forward/backward check failed")
-        model = copy.deepcopy(self.model)
+        # A fresh build of the same seed: the model of check 3 before its step, and not compiled
+        # (a copy of it would call check 3's compiled blocks, which hold check 3's model).
+        model = build_model(self.cfg, self.device)
         # lr 1e-3 and torch's default eps whatever the recipe: one step must visibly lower the loss
         opt = build_optimizer(model, self.device, self.cfg.train, lr=1e-3)
         x, y = (v.to(self.device) for v in self.batch)
@@ -364,12 +396,15 @@ CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [
 ]
 
 
-def run_smoke(cfg: RunConfig, run_dir: str | Path | None = None, echo=print) -> SmokeResult:
+def run_smoke(
+    cfg: RunConfig, run_dir: str | Path | None = None, echo=print, compile_backend="inductor"
+) -> SmokeResult:
     """Run every check in order (later checks are skipped when one they need failed). With
-    ``run_dir`` the checkpoint round trip writes there (see the module docstring)."""
+    ``run_dir`` the checkpoint round trip writes there (see the module docstring);
+    ``compile_backend`` is train.compile's torch.compile backend (another one in tests)."""
     result = SmokeResult()
     try:
-        smoke = _Smoke(cfg, None if run_dir is None else Path(run_dir))
+        smoke = _Smoke(cfg, None if run_dir is None else Path(run_dir), compile_backend)
     except ConfigError as e:
         result.checks.append(Check(1, CHECKS[0][0], "failed", str(e), 0.0))
         return result

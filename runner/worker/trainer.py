@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from model.lm import compile_options
 from runner.config import RunConfig
 from runner.data.loader import WindowStream, check_vocab, eval_batches
 from runner.data.mixture import train_loader
@@ -39,6 +38,7 @@ from .build import (
     autocast,
     build_model,
     build_optimizer,
+    compile_for_training,
     freeze_config,
     resolve_device,
     resolve_precision,
@@ -164,7 +164,6 @@ class Trainer:
         self.autocast_dtype = resolve_precision(cfg, self.device)
 
         self.model = build_model(cfg, self.device)
-        self.model.activation_checkpointing = t.activation_checkpointing
         self.n_params = self.model.num_params()
         marks["model_init"] = time.time()
         self._imported(DYNAMO)
@@ -225,13 +224,8 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp_model = DistributedDataParallel(self.model, device_ids=ids)
-        self.step_model = self.ddp_model
-        if t.compile:
-            if t.compile_scope == "model":
-                options = compile_options(t.compile_mode)
-                self.step_model = torch.compile(self.ddp_model, options=options)
-            else:  # the blocks compiled in place; DDP's hooks stay eager around them
-                self.model.compile_blocks(mode=t.compile_mode)
+        # Under compile_scope=blocks the blocks compile in place; DDP's hooks stay eager.
+        self.step_model = compile_for_training(self.model, t, self.ddp_model)
         marks["compile_wrapped"] = time.time()
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)

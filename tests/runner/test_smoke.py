@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
+from torch._dynamo.utils import counters
 
 from runner.config import load_config
+from runner.data.mixture import train_loader
+from runner.worker.build import build_model, compile_for_training
 from runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 
 
@@ -67,3 +76,95 @@ def test_a_checkpoint_round_trip_that_fails_on_its_thread_fails_check_7(corpus, 
     assert result.failed_check_message.startswith("check 7 (checkpoint save/verify/load) failed")
     for name in ("model forward/backward", "one optimizer step lowers the loss"):
         assert by_name[name].status == "ok", by_name[name]
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_with_train_compile_check_3_runs_the_compiled_step_and_nothing_else_compiles(corpus, scope):
+    # Check 3 compiles what the worker's first step compiles (its graphs, at the run's shapes,
+    # cached for the worker); check 4's single row and check 6's fresh model run eagerly, so
+    # the smoke test traces no graph the worker will not use. aot_eager: CI has no compiler.
+    cfg = load_config(
+        DEMO_CONFIG,
+        tiny_run_overrides(corpus, **{"train.compile": "true", "train.compile_scope": scope}),
+    )
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        result = run_smoke(cfg, echo=None, compile_backend="aot_eager")
+        graphs = counters["stats"]["unique_graphs"]
+        # What one compiled forward/backward at the run's shapes traces, as the worker runs it.
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(cfg, torch.device("cpu"))
+        step = compile_for_training(model, cfg.train, backend="aot_eager")
+        loader = train_loader(cfg.data.train_path, None, cfg.data.seq_len,
+                              cfg.train.micro_batch_size, cfg.train.seed, prefetch=0)  # fmt: skip
+        step(*loader.next_batch(), eos_id=loader.eos_id).backward()
+        expected = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert result.ok, result.failed_check_message
+    by_name = {c.name: c for c in result.checks}
+    check = by_name["model forward/backward"]
+    assert f"compiled (scope {scope}) as the worker runs it" in check.message, check
+    for name in ("scan backend on every block", "one optimizer step lowers the loss"):
+        assert by_name[name].status == "ok", by_name[name]
+    # blocks: one graph that every layer shares, and the loss's.
+    assert expected == 2 if scope == "blocks" else expected >= 1
+    assert graphs == expected, counters["stats"]
+
+
+def test_without_train_compile_check_3_says_nothing_of_a_compile(corpus):
+    result = run_smoke(load_config(DEMO_CONFIG, tiny_run_overrides(corpus)), echo=None)
+    check = {c.name: c for c in result.checks}["model forward/backward"]
+    assert check.status == "ok" and "compiled" not in check.message, check
+
+
+# The smoke test, then what the worker's setup compiles, each in a process of its own sharing
+# the caches, as under the supervisor.
+_WORKER_COMPILE = """
+import sys, torch
+from torch._dynamo.utils import counters
+from runner.config import load_config
+from runner.worker.build import autocast, build_model, compile_for_training
+from runner.data.mixture import train_loader
+
+cfg = load_config(sys.argv[1], sys.argv[2:])
+model = build_model(cfg, torch.device("cuda"))
+step = compile_for_training(model, cfg.train)
+t = cfg.train
+loader = train_loader(cfg.data.train_path, cfg.data.sources, cfg.data.seq_len,
+                      t.micro_batch_size, t.seed, prefetch=0)
+x, y = (v.cuda() for v in loader.next_batch())
+with autocast(x.device, torch.bfloat16):
+    loss = step(x, y, eos_id=loader.eos_id)
+loss.backward()
+cache = counters["inductor"]
+print("CACHE", cache["fxgraph_cache_hit"], cache["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches(corpus, tmp_path):
+    on_cuda = {"train.device": "cuda", "train.precision": "bf16", "train.compile": "true"}
+    overrides = tiny_run_overrides(corpus, **on_cuda)
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(load_config(DEMO_CONFIG, overrides).to_yaml())
+    smoke = subprocess.run(
+        [sys.executable, "-m", "runner.worker.smoke", str(config), "--run-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    worker = subprocess.run(
+        [sys.executable, "-c", _WORKER_COMPILE, str(config)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    hits, misses = map(int, worker.stdout.split("CACHE")[1].split())
+    assert hits >= 2 and misses == 0, worker.stdout  # the block's and the loss's graphs
