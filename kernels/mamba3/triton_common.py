@@ -9,10 +9,12 @@ forward and backward into the autograd Function.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -391,13 +393,46 @@ def set_recorder(recorder) -> None:
     _recording.recorder = recorder
 
 
+# Compiles ahead in flight (triton_precompile's futures). A launch meanwhile waits for them: the
+# kernel it needs is most likely among theirs, and compiling it again on the launching thread
+# would take as long as the pool's compile of every kernel. Empty once they end, so a launch
+# pays one truth test of an empty list. A compile ahead that outlasts AHEAD_WAIT_S is waited for
+# no more (logged once): the launches compile what they need themselves.
+_ahead: list[Future] = []
+AHEAD_WAIT_S = 300.0
+
+
+def compiling_ahead(future: Future) -> None:
+    """Launches wait for ``future`` (a compile ahead of them) until it ends."""
+    _ahead.append(future)
+    future.add_done_callback(_ahead_ended)
+
+
+def _ahead_ended(future: Future) -> None:
+    with contextlib.suppress(ValueError):  # given up on already
+        _ahead.remove(future)
+
+
+def _wait_ahead() -> None:
+    for future in list(_ahead):
+        done, _ = wait([future], timeout=AHEAD_WAIT_S)
+        if not done:
+            _ahead_ended(future)
+            log.warning(
+                "the scan kernels' compile ahead still runs after %.0f s: launches compile "
+                "their kernels themselves from here on", AHEAD_WAIT_S,
+            )  # fmt: skip
+
+
 def launch(name: str, kernel, grid: tuple, args: tuple, constexprs: dict, cfg: LaunchConfig):
     """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to this
-    thread's recorder."""
+    thread's recorder; while a compile ahead runs, after it."""
     recorder = getattr(_recording, "recorder", None)
     if recorder is not None:
         recorder(name, kernel, grid, args, constexprs, cfg)
         return
+    if _ahead:
+        _wait_ahead()
     kernel[grid](*args, **constexprs, **cfg.launch_kwargs())
 
 

@@ -11,7 +11,9 @@ of the GPU, so nothing is computed. :func:`precompile` compiles each with Triton
 a pool of threads: ptxas and most of Triton's passes run without the GIL (the six kernels
 compiled for sm_90 in 3.8 s from six threads against 6.4 s one after another on a 2-core CPU).
 A kernel compiled here is in the process's kernel cache and on disk (TRITON_CACHE_DIR), so its
-first real launch finds it; one the warmup missed compiles at its launch, as before.
+first real launch finds it; one the warmup missed compiles at its launch, as before. A scan
+launched while the compile runs waits for it (triton_common.launch) rather than compiling its
+kernels a second time, one after another, so a caller need not wait for it before its work.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def precompile(launches: list[Launch], device: torch.device,
                     done.set_result(f"{len(distinct)} scan kernels compiled in "
                                     f"{time.perf_counter() - t0:.1f} s on {n} threads")  # fmt: skip
 
+    tc.compiling_ahead(done)  # a scan launched meanwhile waits for it
     for i in range(n):
         threading.Thread(target=work, name=f"m3run-precompile-{i}", daemon=True).start()
     return done

@@ -59,10 +59,6 @@ from .build import (
     set_determinism,
 )
 
-# How long check 3 waits for the scan kernels' precompile before its forward goes on without
-# it (about 3 s on an H200 host's CPU is expected; a kernel still compiling then compiles again).
-PRECOMPILE_WAIT_S = 300
-
 
 class CheckFailed(Exception):
     pass
@@ -161,7 +157,10 @@ class _Smoke:
         self.model = build_model(self.cfg, self.device)
         self.round_trip = _start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
-        precompiled = self._precompile(*x.shape)
+        # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
+        # the rest (the scan's first launch waits for them), as in the worker.
+        dtype = self.amp or torch.float32
+        job = self.model.precompile_scan(*x.shape, dtype, reset=self.eos_id is not None)
         step_model = compile_for_training(self.model, self.cfg.train, backend=self.compile_backend)
         self.compiled = self.cfg.train.compile
         if self.device.type == "cuda":
@@ -183,7 +182,7 @@ class _Smoke:
         t = self.cfg.train
         how = f", compiled (scope {t.compile_scope}) as the worker runs it" if t.compile else ""
         return (f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
-                f"{self.model.num_params():,} params{how}{precompiled}")  # fmt: skip
+                f"{self.model.num_params():,} params{how}{_precompiled(job)}")  # fmt: skip
 
     def eager(self):
         """Runs what check 3 compiled eagerly inside it: the later checks' shapes and copies
@@ -191,22 +190,6 @@ class _Smoke:
         if not self.compiled:
             return contextlib.nullcontext()
         return torch.compiler.set_stance("force_eager")
-
-    def _precompile(self, batch: int, seq_len: int) -> str:
-        """The scan kernels this forward/backward and the run will launch, compiled on a pool of
-        threads before the first launch, waited for; what it did, for check 3's message (a
-        compile that failed is said there: its kernels then compile at their first launch)."""
-        assert self.model is not None
-        dtype = self.amp or torch.float32
-        job = self.model.precompile_scan(batch, seq_len, dtype, reset=self.eos_id is not None)
-        if job is None:
-            return ""
-        try:
-            return f"; {job.result(timeout=PRECOMPILE_WAIT_S)}"
-        except TimeoutError:
-            return f"; the scan kernels' precompile still ran after {PRECOMPILE_WAIT_S} s"
-        except Exception as e:
-            return f"; precompiling the scan kernels failed ({e}): compiled at first launch"
 
     # 4
     def backend_every_block(self) -> str:
@@ -330,6 +313,19 @@ class _Smoke:
             raise CheckFailed(msg + ": lower train.micro_batch_size or enable "
                               "train.activation_checkpointing")  # fmt: skip
         return msg
+
+
+def _precompiled(job: Future[str] | None) -> str:
+    """What the scan kernels' compile ahead did, for check 3's message (a compile that failed or
+    still runs is said there: its kernels then compiled at their first launch)."""
+    if job is None:
+        return ""
+    if not job.done():  # the launches gave up waiting for it (triton_common.AHEAD_WAIT_S)
+        return "; the scan kernels' precompile still ran: they compiled at their first launch"
+    try:
+        return f"; {job.result()}"
+    except Exception as e:
+        return f"; precompiling the scan kernels failed ({e}): compiled at first launch"
 
 
 SCRATCH_PREFIX = ".smoke-checkpoint-"

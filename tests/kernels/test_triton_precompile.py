@@ -135,6 +135,51 @@ def test_a_failed_compile_is_the_futures_error_and_the_rest_still_compile():
     assert len(good.calls) == 1
 
 
+class Launchable(Warmable):
+    """A kernel whose compile (warmup) waits for ``release``, and whose launches (what
+    triton_common.launch calls) record how many compiles had ended before them."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.launched = threading.Event(), []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.release.wait(timeout=60)
+        super().warmup(*args, grid=grid, **kwargs)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(len(self.calls))
+
+
+def test_a_launch_while_its_kernels_compile_ahead_waits_for_the_compile():
+    # Compiled again on the launching thread, one kernel after another, the scan's first step
+    # would take as long as the pool's compile of every kernel: the launch waits for the pool.
+    kernel, cfg, x = Launchable(), tc.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
+    job = precompile([Launch("fwd", kernel, (1,), (x,), {}, cfg)], torch.device("cpu"))
+    threading.Timer(0.1, kernel.release.set).start()
+    tc.launch("fwd", kernel, (1,), (x,), {}, cfg)
+    assert kernel.launched == [1]  # after its compile had ended
+    assert job.done() and not tc._ahead
+    tc.launch("fwd", kernel, (1,), (x,), {}, cfg)  # nothing left to wait for
+    assert kernel.launched == [1, 1]
+
+
+def test_a_compile_ahead_that_outlasts_the_wait_is_waited_for_no_more(monkeypatch, caplog):
+    kernel, cfg, x = Launchable(), tc.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
+    monkeypatch.setattr(tc, "AHEAD_WAIT_S", 0.05)
+    job = precompile([Launch("fwd", kernel, (1,), (x,), {}, cfg)], torch.device("cpu"))
+    try:
+        with caplog.at_level("WARNING", logger=tc.__name__):
+            tc.launch("fwd", kernel, (1,), (x,), {}, cfg)
+        assert kernel.launched == [0] and not job.done() and not tc._ahead
+        assert "compile ahead still runs after 0 s" in caplog.text
+        tc.launch("fwd", kernel, (1,), (x,), {}, cfg)  # given up on: no second wait, no log
+        assert kernel.launched == [0, 0] and caplog.text.count("still runs") == 1
+    finally:
+        kernel.release.set()
+    assert job.result(timeout=30).startswith("1 scan kernels compiled")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test below runs it for real")
 def test_the_recorded_launches_compile_with_tritons_warmup_without_a_gpu(tmp_path, monkeypatch):
     # Triton's own warmup of every recorded launch at the 434m preset's shapes, compiled for
