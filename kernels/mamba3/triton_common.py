@@ -200,7 +200,9 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
     arch, key = arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
     entry = TABLE.get(arch, {}).get(key)
     if entry is None:
-        if (arch, key) not in _fallback_logged:
+        # Not while torch.compile traces the scan's caller: a log call there breaks the graph
+        # (a block's one graph became eight on an H200); the first call that runs logs it.
+        if (arch, key) not in _fallback_logged and not torch.compiler.is_compiling():
             _fallback_logged.add((arch, key))
             log.info(
                 "mamba3 scan: no tuned launch plan for %s %s in kernels/mamba3/launch_table.py; "

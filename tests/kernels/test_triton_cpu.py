@@ -100,6 +100,33 @@ def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkey
     assert {k: v for k, v in merged.items() if k != "sm80"} == table
 
 
+def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monkeypatch, caplog):
+    """A shape or GPU missing from the table runs the defaults, logged once; the log must not
+    come from torch.compile's trace of the scan's caller (a log call breaks the graph: a block's
+    one graph became eight on an H200), but from the first call that runs."""
+    import torch
+
+    from kernels.mamba3 import triton_common as tc
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(tc, "arch_key", lambda device: "sm_none")  # an architecture not tuned
+    monkeypatch.setattr(tc, "_fallback_logged", set())
+
+    def scaled(x):
+        return x * tc.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk
+
+    caplog.set_level("INFO", logger=tc.__name__)
+    torch._dynamo.reset()
+    try:  # fullgraph: a graph break raises
+        out = torch.compile(scaled, backend="eager", fullgraph=True)(torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert out.tolist() == [tc.DEFAULT_CHUNK] * 2 and "no tuned launch plan" not in caplog.text
+    for _ in range(2):
+        assert tc.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk == 32
+    assert caplog.text.count("no tuned launch plan for sm_none c64-p64-n64-bf16") == 1
+
+
 def test_kernels_in_the_interpreter_match_the_reference(interpreted):
     worst = _worst(interpreted, "fp32")
     bad = {k: v for k, v in worst.items() if not v <= 1e-5}
