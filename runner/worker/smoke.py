@@ -58,6 +58,7 @@ from .build import (
     resolve_device,
     set_determinism,
 )
+from .preimport import DYNAMO, CompileStack, import_in_background
 
 
 class CheckFailed(Exception):
@@ -97,10 +98,17 @@ class SmokeResult:
 
 
 class _Smoke:
-    def __init__(self, cfg: RunConfig, scratch: Path | None = None, compile_backend="inductor"):
+    def __init__(
+        self, cfg: RunConfig, scratch: Path | None = None, compile_backend="inductor",
+        compile_stack: CompileStack | None = None,
+    ):  # fmt: skip
         self.cfg = cfg
         self.scratch = scratch  # where check 7 writes (None: the system's temp directory)
         self.compile_backend = compile_backend  # train.compile's (tests pass a CPU-only one)
+        # torch's compile stack being imported on a thread (preimport.py), as in the worker.
+        self.compile_stack = compile_stack
+        if cfg.train.deterministic:
+            self._imported()  # its switches import inductor: the whole stack first
         set_determinism(cfg.train.deterministic)  # as the trainer: the compile's cache keys too
         self.device = resolve_device(cfg)
         self.amp = precision_dtype(cfg, self.device)
@@ -113,6 +121,10 @@ class _Smoke:
 
     def autocast(self):
         return autocast(self.device, self.amp)
+
+    def _imported(self, module: str | None = None) -> None:
+        if self.compile_stack is not None:
+            self.compile_stack.wait(module)
 
     # 1
     def cuda_bf16(self) -> str:
@@ -160,7 +172,9 @@ class _Smoke:
         # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
         # the rest (the scan's first launch waits for them), as in the worker.
         dtype = self.amp or torch.float32
+        self._imported(DYNAMO)  # the recording of the scan's launches runs autograd
         job = self.model.precompile_scan(*x.shape, dtype, reset=self.eos_id is not None)
+        self._imported()
         step_model = compile_for_training(self.model, self.cfg.train, backend=self.compile_backend)
         self.compiled = self.cfg.train.compile
         if self.device.type == "cuda":
@@ -399,8 +413,12 @@ def run_smoke(
     ``run_dir`` the checkpoint round trip writes there (see the module docstring);
     ``compile_backend`` is train.compile's torch.compile backend (another one in tests)."""
     result = SmokeResult()
+    # With train.compile, dynamo and inductor import beside checks 1–3's setup (about 8 s of
+    # imports on an H200 host), as the worker imports them beside its own: check 3 took 2–3 s
+    # less on an H200 (docs/benchmarks.md, 2026-12-04 (second)).
+    stack = import_in_background() if cfg.train.compile else None
     try:
-        smoke = _Smoke(cfg, None if run_dir is None else Path(run_dir), compile_backend)
+        smoke = _Smoke(cfg, None if run_dir is None else Path(run_dir), compile_backend, stack)
     except ConfigError as e:
         result.checks.append(Check(1, CHECKS[0][0], "failed", str(e), 0.0))
         return result
