@@ -8,8 +8,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from runner.protocol import FAULT_ENV
+
+HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 
 
 @dataclass
@@ -77,6 +80,10 @@ class Faults:
         """Called mid-write (data files written, meta.json not yet), on the writer's thread."""
         if self.slow_save:
             time.sleep(self.slow_save)
+        if "hold_save" in self.spec:  # until the test creates the file (bounded: never a hang)
+            release, deadline = Path(self.spec["hold_save"]), time.monotonic() + HOLD_SAVE_MAX_S
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
         if self._once("stall_save_at_step", step):
             print(f"[fault] checkpoint write of step {step} stalls mid-write", flush=True)
             _forever()

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -34,28 +35,41 @@ def m3run_stop(run_dir, *args: str) -> subprocess.Popen:
 
 
 def test_repeated_stops_during_a_slow_save_wait_for_the_same_checkpoint(corpus, tmp_path):
-    run_dir = tmp_path / "run"
-    # Every checkpoint write pauses 5 s mid-write (data files written, meta.json not yet): the
-    # second stop's process starts and reads state.json well within it on a loaded machine.
-    run = Run(run_dir, overrides(corpus), env=worker_env(**{FAULT_ENV: "slow_save=5.0"}))
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    # Every checkpoint write holds mid-write (data files written, meta.json not yet) until the
+    # test creates `release`: the second stop reads state.json while the first stop's save is
+    # under way however slowly its process starts. The grace covers the hold.
+    sets = overrides(corpus, **{"supervisor.stop_grace_s": 120})
+    run = Run(run_dir, sets, env=worker_env(**{FAULT_ENV: f"hold_save={release}"}))
     run.worker_at(2)
     first = m3run_stop(run_dir)
     run.wait_for(lambda: run.state().get("phase") == "stopping", "the stop to reach the worker")
     second = m3run_stop(run_dir)
+    said: list[str] = []  # the second stop's output, line by line as it comes
+    reader = threading.Thread(target=lambda: said.extend(second.stdout), daemon=True)
+    reader.start()
+    run.wait_for(lambda: any("waiting for the same save" in line for line in said),
+                 "the second stop to wait for the same save")  # fmt: skip
     run.proc.send_signal(signal.SIGTERM)  # and a container runtime's SIGTERM on top
+    run.wait_for(lambda: "stop_repeated" in _events(run_dir), "the repeated stop's event")
+    release.touch()
     assert run.wait() == EXIT_OK, run.output()
     out1, _ = first.communicate(timeout=60)
-    out2, _ = second.communicate(timeout=60)
-    assert first.returncode == 0 and second.returncode == 0, (out1, out2)
-    assert "already stopping" in out2 and "waiting for the same save" in out2, out2
-    events = [e["event"] for e in read_jsonl(run_dir / EVENTS_FILE)]
+    assert second.wait(timeout=60) == 0 and first.returncode == 0, (out1, said)
+    reader.join(timeout=60)
+    assert "already stopping" in "".join(said), said
+    events = _events(run_dir)
     assert "force_kill" not in events, events
-    assert "stop_repeated" in events
     state = run.state()
     assert state["phase"] == "stopped" and "worker saved and exited 75" in state["reason"]
     complete = [c.step for c in list_checkpoints(run_dir) if c.complete]
     assert complete and complete[-1] == state["last_checkpoint_step"]
     assert run.heartbeat()["step"] == state["last_checkpoint_step"]  # no step lost
+
+
+def _events(run_dir) -> list[str]:
+    path = run_dir / EVENTS_FILE
+    return [e["event"] for e in read_jsonl(path)] if path.exists() else []
 
 
 def _forge(run_dir, pid: int, with_create_time: bool) -> None:
