@@ -114,6 +114,7 @@ class _Smoke:
         self.amp = precision_dtype(cfg, self.device)
         self.model: Mamba3LM | None = None
         self.compiled = False  # check 3 ran the model through train.compile's compile
+        self.peak: int | None = None  # check 3's peak GPU memory, bytes
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.eos_id: int | None = None  # with data.reset_at_eos, as the trainer runs the model
         self.backend: str | None = None
@@ -182,6 +183,8 @@ class _Smoke:
         with self.autocast():
             loss = step_model(x, y, eos_id=self.eos_id)
         loss.backward()
+        if self.device.type == "cuda":  # check 8's: this step's, not check 6's second model's
+            self.peak = torch.cuda.max_memory_allocated(self.device)
         grads = [p.grad for p in self.model.parameters()]
         if not math.isfinite(loss.item()):
             raise CheckFailed(f"the loss of a fresh model is {loss.item()}")
@@ -313,9 +316,9 @@ class _Smoke:
     def memory(self) -> str:
         if self.device.type != "cuda":
             raise CheckSkipped("no CUDA device: GPU memory is not a limit on CPU")
-        if self.model is None:
+        if self.model is None or self.peak is None:
             raise CheckSkipped("no model: the forward/backward check failed")
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = self.peak
         total = torch.cuda.get_device_properties(self.device).total_memory
         n = self.model.num_params()
         # AdamW keeps two fp32 moments per parameter on top of the weights and gradients.
