@@ -99,7 +99,10 @@ def test_with_train_compile_check_3_runs_the_compiled_step_and_nothing_else_comp
         step = compile_for_training(model, cfg.train, backend="aot_eager")
         loader = train_loader(cfg.data.train_path, None, cfg.data.seq_len,
                               cfg.train.micro_batch_size, cfg.train.seed, prefetch=0)  # fmt: skip
-        step(*loader.next_batch(), eos_id=loader.eos_id).backward()
+        try:
+            step(*loader.next_batch(), eos_id=loader.eos_id).backward()
+        finally:
+            loader.close()
         expected = counters["stats"]["unique_graphs"]
     finally:
         torch._dynamo.reset()
