@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -113,7 +114,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
 
 def compile_for_training(
     model: Mamba3LM, t: TrainConfig, wrapped: torch.nn.Module | None = None,
-    backend: str = "inductor",
+    backend: str | Callable = "inductor",
 ) -> torch.nn.Module:  # fmt: skip
     """What a training step calls: ``wrapped`` (the model, or DDP around it) compiled as
     train.compile and train.compile_scope say (scope "blocks": each block compiled in place,

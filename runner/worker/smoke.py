@@ -180,9 +180,20 @@ class _Smoke:
         self.compiled = self.cfg.train.compile
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with self.autocast():
-            loss = step_model(x, y, eos_id=self.eos_id)
-        loss.backward()
+        try:
+            with self.autocast():
+                loss = step_model(x, y, eos_id=self.eos_id)
+            loss.backward()
+        except Exception as e:
+            if self.compiled and _is_compile_error(e):
+                cause = getattr(e, "inner_exception", None) or e  # what a backend raised
+                first = (str(cause).strip().splitlines() or [""])[0]
+                raise CheckFailed(
+                    f"torch.compile of the training step failed ({type(cause).__name__}: {first}). "
+                    "Fix: set train.compile=false to train without it, or repair what it names "
+                    "(the worker would fail the same way at its first step)"
+                ) from e
+            raise
         if self.device.type == "cuda":  # check 8's: this step's, not check 6's second model's
             self.peak = torch.cuda.max_memory_allocated(self.device)
         grads = [p.grad for p in self.model.parameters()]
@@ -330,6 +341,13 @@ class _Smoke:
             raise CheckFailed(msg + ": lower train.micro_batch_size or enable "
                               "train.activation_checkpointing")  # fmt: skip
         return msg
+
+
+def _is_compile_error(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile's (dynamo's or a backend's, which dynamo wraps)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(e, TorchDynamoException)
 
 
 def _precompiled(job: Future[str] | None) -> str:

@@ -117,6 +117,24 @@ def test_with_train_compile_check_3_runs_the_compiled_step_and_nothing_else_comp
     assert graphs == expected, counters["stats"]
 
 
+def test_a_compile_that_fails_fails_check_3_with_the_fix(corpus):
+    # What a broken toolchain does to torch.compile (inductor needs a C compiler and Triton's
+    # own): the launch stops here with the way out, not at the worker's first step, restarted
+    # again and again.
+    def broken(gm, example_inputs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
+
+    cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **{"train.compile": "true"}))
+    torch._dynamo.reset()
+    try:
+        result = run_smoke(cfg, echo=None, compile_backend=broken)
+    finally:
+        torch._dynamo.reset()
+    msg = result.failed_check_message
+    assert msg.startswith("check 3 (model forward/backward) failed: torch.compile of the "), msg
+    assert "Failed to find C compiler" in msg and "set train.compile=false" in msg, msg
+
+
 def test_without_train_compile_check_3_says_nothing_of_a_compile(corpus):
     result = run_smoke(load_config(DEMO_CONFIG, tiny_run_overrides(corpus)), echo=None)
     check = {c.name: c for c in result.checks}["model forward/backward"]
