@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,7 +119,7 @@ class Mamba3LM(nn.Module):
         """The tied LM head: the embedding rows of real tokens (padding rows never get logits)."""
         return self.embedding.weight[: self.config.vocab_size]
 
-    def compile_blocks(self, mode: str | None = None, backend: str = "inductor") -> None:
+    def compile_blocks(self, mode: str | None = None, backend: str | Callable = "inductor") -> None:
         """torch.compile each block in place (regional compilation): under inductor with
         ``mode`` and :func:`compile_options`, or another ``backend`` (tests). The blocks share
         one forward and differ only in their parameters, which the compiled graph takes as
