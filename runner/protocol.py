@@ -94,8 +94,9 @@ def worker_exit_file(local_rank: int = 0) -> str:
 #   M3RUN_FAULT="slow_save=2.0"     each checkpoint write sleeps this many seconds mid-write
 #                                   (data files written, meta.json not yet; with async_save,
 #                                   on the background thread while training goes on)
-#   M3RUN_FAULT="hold_save=PATH"    each checkpoint write waits mid-write until PATH exists (at
-#                                   most 300 s): a test's pacing by a file, not by a sleep
+#   M3RUN_FAULT="hold_save=PATH"    each checkpoint write waits mid-write until PATH exists
+#                                   (bounded: worker/faults.py HOLD_SAVE_MAX_S): a test's pacing
+#                                   by a file, not by a sleep
 #   M3RUN_FAULT="stall_save_at_step=10"  the write of the first checkpoint at step ≥ 10 stops
 #                                   mid-write for good (a torn write that waits for a SIGKILL)
 #   M3RUN_FAULT="save_error_at_step=10"  the checkpoint write for the first save at step ≥ 10
