@@ -113,7 +113,6 @@ class _Smoke:
         self.device = resolve_device(cfg)
         self.amp = precision_dtype(cfg, self.device)
         self.model: Mamba3LM | None = None
-        self.compiled = False  # check 3 ran the model through train.compile's compile
         self.peak: int | None = None  # check 3's peak GPU memory, bytes
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.eos_id: int | None = None  # with data.reset_at_eos, as the trainer runs the model
@@ -177,7 +176,6 @@ class _Smoke:
         job = self.model.precompile_scan(*x.shape, dtype, reset=self.eos_id is not None)
         self._imported()
         step_model = compile_for_training(self.model, self.cfg.train, backend=self.compile_backend)
-        self.compiled = self.cfg.train.compile
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
@@ -185,7 +183,7 @@ class _Smoke:
                 loss = step_model(x, y, eos_id=self.eos_id)
             loss.backward()
         except Exception as e:
-            if self.compiled and _is_compile_error(e):
+            if self.cfg.train.compile and _is_compile_error(e):
                 cause = getattr(e, "inner_exception", None) or e  # what a backend raised
                 first = (str(cause).strip().splitlines() or [""])[0]
                 raise CheckFailed(
@@ -215,7 +213,7 @@ class _Smoke:
     def eager(self):
         """Runs what check 3 compiled eagerly inside it: the later checks' shapes and copies
         would otherwise compile again (or run the compiled blocks of the model they copied)."""
-        if not self.compiled:
+        if not self.cfg.train.compile:
             return contextlib.nullcontext()
         return torch.compiler.set_stance("force_eager")
 
