@@ -63,3 +63,10 @@ class CompileStack:
 def import_in_background(modules: Sequence[str] = COMPILE_STACK) -> CompileStack:
     """Start importing ``modules`` in order on a daemon thread."""
     return CompileStack(modules)
+
+
+def wait_imported(stack: CompileStack | None, module: str | None = None) -> None:
+    """:meth:`CompileStack.wait` where a stack is being imported (None: the caller imports what
+    it needs itself)."""
+    if stack is not None:
+        stack.wait(module)

@@ -58,7 +58,7 @@ from .build import (
     resolve_device,
     set_determinism,
 )
-from .preimport import DYNAMO, CompileStack, import_in_background
+from .preimport import DYNAMO, CompileStack, import_in_background, wait_imported
 
 
 class CheckFailed(Exception):
@@ -108,7 +108,7 @@ class _Smoke:
         # torch's compile stack being imported on a thread (preimport.py), as in the worker.
         self.compile_stack = compile_stack
         if cfg.train.deterministic:
-            self._imported()  # its switches import inductor: the whole stack first
+            wait_imported(self.compile_stack)  # its switches import inductor: the whole stack first
         set_determinism(cfg.train.deterministic)  # as the trainer: the compile's cache keys too
         self.device = resolve_device(cfg)
         self.amp = precision_dtype(cfg, self.device)
@@ -121,10 +121,6 @@ class _Smoke:
 
     def autocast(self):
         return autocast(self.device, self.amp)
-
-    def _imported(self, module: str | None = None) -> None:
-        if self.compile_stack is not None:
-            self.compile_stack.wait(module)
 
     # 1
     def cuda_bf16(self) -> str:
@@ -172,9 +168,10 @@ class _Smoke:
         # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
         # the rest (the scan's first launch waits for them), as in the worker.
         dtype = self.amp or torch.float32
-        self._imported(DYNAMO)  # the recording of the scan's launches runs autograd
+        # Dynamo first: the recording of the scan's launches runs autograd.
+        wait_imported(self.compile_stack, DYNAMO)
         job = self.model.precompile_scan(*x.shape, dtype, reset=self.eos_id is not None)
-        self._imported()
+        wait_imported(self.compile_stack)
         step_model = compile_for_training(self.model, self.cfg.train, backend=self.compile_backend)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

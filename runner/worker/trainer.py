@@ -50,7 +50,7 @@ from .dist import Dist
 from .excursions import Excursions
 from .faults import Faults
 from .ownership import claim_run_dir
-from .preimport import DYNAMO, CompileStack
+from .preimport import DYNAMO, CompileStack, wait_imported
 from .resume import Resume
 from .telemetry import Pace, Telemetry
 from .update import GuardedUpdate
@@ -148,7 +148,7 @@ class Trainer:
             self._ownership = claim_run_dir(self.run_dir)
             freeze_config(cfg, self.run_dir, self.force)
         if t.deterministic:
-            self._imported()  # its switches import inductor: the whole stack first
+            wait_imported(self.compile_stack)  # its switches import inductor: the whole stack first
         determinism = set_determinism(t.deterministic)
         if determinism and self.dist.writer:
             print(determinism, flush=True)
@@ -166,7 +166,7 @@ class Trainer:
         self.model = build_model(cfg, self.device)
         self.n_params = self.model.num_params()
         marks["model_init"] = time.time()
-        self._imported(DYNAMO)
+        wait_imported(self.compile_stack, DYNAMO)
         self.optimizer = build_optimizer(self.model, self.device, t, lr=t.lr, eps=t.eps)
         # The update beside the next forward, layer by layer (update.LayeredStep): where the
         # forward's layers run eagerly between compiled blocks and without DDP.
@@ -217,7 +217,7 @@ class Trainer:
         self.resumed_from = self.checkpointer.resumed_from = resumer.run()
         marks["resume_end"] = time.time()
         self.excursions.lr_scale *= self.lr_scale_arg
-        self._imported()  # DDP and torch.compile reach into inductor
+        wait_imported(self.compile_stack)  # DDP and torch.compile reach into inductor
         self.ddp_model = self.model
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
@@ -230,10 +230,6 @@ class Trainer:
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
         marks["setup_end"] = time.time()
-
-    def _imported(self, module: str | None = None) -> None:
-        if self.compile_stack is not None:
-            self.compile_stack.wait(module)
 
     # ---- the loop ----
 
