@@ -82,11 +82,11 @@ class GcPauses:
 class ClockSampler:
     """The GPU's SM clock, power draw and clock-event reasons through NVML, sampled by a thread
     every ``interval_s`` inside a ``with`` block, read per span of host time (a timed step): is a
-    slow step the code's or the clocks'? ``device_index`` is NVML's, the same GPU as CUDA's
-    index unless CUDA_VISIBLE_DEVICES reorders them. Without NVML (no nvidia-ml-py, no driver)
-    it records nothing and says so in ``error``."""
+    slow step the code's or the clocks'? The GPU is CUDA's ``device``, found in NVML by its UUID
+    (NVML's indices ignore CUDA_VISIBLE_DEVICES). Without NVML (no nvidia-ml-py, no driver) it
+    records nothing and says so in ``error``."""
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.025):
+    def __init__(self, device: torch.device, interval_s: float = 0.025):
         self.samples: list[tuple[float, int, float, int]] = []  # (t, MHz, W, reasons)
         self.error: str | None = None
         self._interval = interval_s
@@ -97,7 +97,9 @@ class ClockSampler:
 
             pynvml.nvmlInit()
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         except Exception as e:  # no library, no driver: the benchmark runs on without clocks
             self.error = f"{type(e).__name__}: {e}"
 
@@ -161,7 +163,7 @@ def timed_steps(step: Callable[[], object], n: int, device: torch.device) -> dic
     power and clock-event reasons of each step (``step_clocks``, None without samples;
     ``clock_error`` says why)."""
     step_ms, bounds, pauses = [], [], GcPauses()
-    clocks = ClockSampler(device.index or 0) if device.type == "cuda" else None
+    clocks = ClockSampler(device) if device.type == "cuda" else None
     # A full collection first: one owed to earlier runs in the process (the models and graphs
     # that --rounds and --variant leave behind) would otherwise land in whichever stack's steps
     # come next (a 470 ms pause in the official module's fourth round, 2026-12-03).
