@@ -1,6 +1,7 @@
 """What the Triton forward and backward of the Mamba-3 SISO scan share: the one guarded import of
-Triton, the tile caps, the launch configurations (a checked-in table per GPU architecture, read at
-launch) and the jit helpers both directions call.
+Triton, the tile caps, the launch configurations (this machine's tuned plans, else a checked-in
+table per GPU architecture, else safe defaults; read at launch) and the jit helpers both
+directions call.
 
 Nothing here launches a kernel. ``triton_fwd``, ``triton_sums`` and ``triton_bwd_chunk`` import
 from this module only, ``triton_bwd`` from it and the latter two; ``triton_siso`` composes the
@@ -132,6 +133,18 @@ class LaunchConfig:
     wg: int = 0
     hb: int = 1
 
+    def __post_init__(self) -> None:
+        least = {"num_stages": 1, "bv": 0, "hpp": 1, "cpp": 1, "wg": 0, "hb": 1}
+        bad = [f"{k}={getattr(self, k)!r}" for k, low in least.items()
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < low]  # fmt: skip
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            bad.append(f"num_warps={self.num_warps!r} (1, 2, 4, 8 or 16)")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int)
+                                         or not 24 <= self.maxnreg <= 255):  # fmt: skip
+            bad.append(f"maxnreg={self.maxnreg!r} (None or 24..255)")
+        if bad:
+            raise ValueError(f"launch configuration with bad fields: {', '.join(bad)}")
+
     def launch_kwargs(self) -> dict:
         kw = {"num_warps": self.num_warps, "num_stages": self.num_stages}
         if self.maxnreg is not None:
@@ -176,7 +189,7 @@ def arch_key(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-_fallback_logged: set[tuple[str, str]] = set()
+_fallback_logged: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -189,35 +202,130 @@ class Plan:
 
 
 def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
-    """The tuned plan for this GPU architecture and shape from the checked-in table
-    (bench/tune_scan.py writes it), else the defaults, logged once: the caller's chunk capped at
-    DEFAULT_CHUNK and DEFAULT_CONFIGS. The interpreter and CPU tensors run the caller's chunk
-    with the defaults."""
+    """The plan a call runs under: one forced on the process (:func:`forcing_plan`, the tuner's),
+    else the tuned plan for this GPU architecture and shape (:func:`plan_source` says from
+    where), else the defaults, logged once: the caller's chunk capped at DEFAULT_CHUNK and
+    DEFAULT_CONFIGS. The interpreter and CPU tensors run the caller's chunk with the defaults."""
+    if _tuner.plan is not None:
+        return _tuner.plan
     if interpreting() or device.type != "cuda":
         return Plan(chunk_size, dict(DEFAULT_CONFIGS))
-    from .launch_table import TABLE
-
     arch, key = arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
-    entry = TABLE.get(arch, {}).get(key)
-    if entry is None:
+    found = _tuned(arch, key)
+    if found is None:
         # Not while torch.compile traces the scan's caller: a log call there breaks the graph
         # (a block's one graph became eight on an H200); the first call that runs logs it.
         if (arch, key) not in _fallback_logged and not torch.compiler.is_compiling():
             _fallback_logged.add((arch, key))
-            log.info(
-                "mamba3 scan: no tuned launch plan for %s %s in kernels/mamba3/launch_table.py; "
-                "using the defaults (run bench/tune_scan.py on this GPU to add one)",
-                arch,
-                key,
-            )
+            log.warning("mamba3 scan: %s", _untuned_message(arch, key))
         return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
-    return Plan(int(entry.get("chunk", chunk_size)), entry_configs(entry))
+    return found[0]
+
+
+def plan_source(device: torch.device, p: int, n: int, chunk_size: int,
+                dtype: torch.dtype) -> str:  # fmt: skip
+    """Where :func:`plan_for` takes this shape's plan from on ``device``, in words (for the smoke
+    test's report): this machine's tuned plans, the checked-in table, or the defaults and how to
+    tune them."""
+    if interpreting() or device.type != "cuda":
+        return "the default launch plans (no CUDA device)"
+    from . import local_plans
+
+    arch, key = arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
+    found = _tuned(arch, key)
+    if found is None:
+        return _untuned_message(arch, key)
+    plan, local = found
+    where = (f"tuned on this machine ({local_plans.plans_path()})" if local
+             else "the checked-in launch table")  # fmt: skip
+    return f"{where} ({arch} {key}, chunk {plan.chunk})"
+
+
+def _untuned_message(arch: str, key: str) -> str:
+    from .local_plans import TUNE_COMMAND, plans_path
+
+    return (f"no tuned launch plan for {arch} {key} (neither in kernels/mamba3/launch_table.py "
+            f"nor in {plans_path()}): running the defaults, slower; run `{TUNE_COMMAND}` on "
+            "this GPU once to tune them")  # fmt: skip
+
+
+def _tuned(arch: str, key: str) -> tuple[Plan, bool] | None:
+    """The plan tuned on this machine (`m3run tune-scan`; its entries checked when read), else
+    the checked-in table's, and whether it is this machine's; None when neither has one.
+    torch.compile traces this (the scan's segment ids take the plan's chunk): dict reads only."""
+    from . import local_plans
+    from .launch_table import TABLE
+
+    entry, local = local_plans.lookup(arch, key), True
+    if entry is None:
+        entry, local = TABLE.get(arch, {}).get(key), False
+    if entry is None:
+        return None
+    return Plan(int(entry["chunk"]), entry_configs(entry)), local
+
+
+def _entry_error(entry: dict) -> str | None:
+    """Why a stored entry makes no plan (None: it does)."""
+    if entry.get("chunk") not in CHUNK_SIZES:
+        return f"chunk {entry.get('chunk')!r} is not one of {CHUNK_SIZES}"
+    unknown = sorted(set(entry) - {"chunk", *KERNELS})
+    if unknown:
+        return f"unknown kernels {unknown}"
+    try:
+        entry_configs(entry)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+class _Tuner:
+    """What the tuner (kernels/mamba3/tuning.py, in a process that does nothing else) sets for
+    every thread of the process: the autograd engine runs a CUDA backward on a thread of its own,
+    so a plan or a recorder set for the calling thread alone would leave the backward under the
+    table's plan (at another chunk than the forward's saved states) and unrecorded."""
+
+    plan: Plan | None = None
+    recorder = None
+
+
+_tuner = _Tuner()
+
+
+@contextlib.contextmanager
+def forcing_plan(plan: Plan):
+    """Within this block every scan of the process runs under ``plan``, whatever the tables say
+    (the tuner's; see :class:`_Tuner`)."""
+    before, _tuner.plan = _tuner.plan, plan
+    try:
+        yield
+    finally:
+        _tuner.plan = before
+
+
+@contextlib.contextmanager
+def recording_everywhere(recorder):
+    """Within this block every thread's launches go to ``recorder`` (as :func:`set_recorder`,
+    which one thread's recorder overrides), the autograd engine's included (the tuner's)."""
+    before, _tuner.recorder = _tuner.recorder, recorder
+    try:
+        yield
+    finally:
+        _tuner.recorder = before
 
 
 def entry_configs(entry: dict) -> dict[str, LaunchConfig]:
     """A launch-table entry's configuration of every kernel, the default where it names none."""
     return {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
             for name in KERNELS}  # fmt: skip
+
+
+def _read_local_plans() -> None:
+    from . import local_plans
+
+    local_plans.load(_entry_error)
+
+
+_read_local_plans()  # now, not under torch.compile's trace of plan_for
 
 
 # --- jit helpers shared by the forward and the backward --------------------------------------
@@ -429,7 +537,7 @@ def _wait_ahead() -> None:
 def launch(name: str, kernel, grid: tuple, args: tuple, constexprs: dict, cfg: LaunchConfig):
     """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to this
     thread's recorder; while a compile ahead runs, after it."""
-    recorder = getattr(_recording, "recorder", None)
+    recorder = getattr(_recording, "recorder", None) or _tuner.recorder
     if recorder is not None:
         recorder(name, kernel, grid, args, constexprs, cfg)
         return

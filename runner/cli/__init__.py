@@ -1,7 +1,8 @@
 """The `m3run` command line. Light commands never import torch at module import time.
 
 Each command is a thin function over a module: launch → runner.supervisor; status, stop, logs
-and `health --liveness` → runner.runstate; health → runner.health; plot → runner.plot.
+and `health --liveness` → runner.runstate; health → runner.health; plot → runner.plot;
+tune-scan → kernels.mamba3.tuning.
 
 Exit codes:
   launch   the supervisor's: 0 finished or stopped by the user · 75 preempted (state saved,
@@ -13,6 +14,8 @@ Exit codes:
   logs     0 · 1 no such run or log
   health   0 healthy, warn or no GPU · 69 unhealthy; with --liveness RUN: 0 alive · 1 stale/dead
   plot     0 · 1 nothing to plot or no matplotlib
+  tune-scan  0 tuned and stored · 78 bad config or no GPU the Triton scan runs on · 1 the
+             tune failed (nothing stored)
 """
 
 from runner.cli.app import app
@@ -23,7 +26,8 @@ import runner.cli.runs
 import runner.cli.views
 import runner.cli.models
 import runner.cli.data
-import runner.cli.health  # noqa: F401
+import runner.cli.health
+import runner.cli.tune  # noqa: F401
 # isort: on
 
 __all__ = ["app"]

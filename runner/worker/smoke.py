@@ -240,7 +240,19 @@ class _Smoke:
         bad = [i for i, ok in outputs if not ok]
         if bad:
             raise CheckFailed(f"non-finite mixer output in block(s) {bad} with {self.backend}")
-        return f"backend {self.backend} ran in all {len(ran)} blocks"
+        return f"backend {self.backend} ran in all {len(ran)} blocks{self._plans()}"
+
+    def _plans(self) -> str:
+        """Where the Triton scan's launch plans come from (untuned defaults are slower: said
+        here, at launch, with the command that tunes them)."""
+        if self.backend != "triton":
+            return ""
+        from kernels.mamba3.triton_common import plan_source
+
+        m = self.cfg.model
+        dtype = self.amp or torch.float32
+        source = plan_source(self.device, m.headdim, m.d_state, m.chunk_size, dtype)
+        return f"; launch plans: {source}"
 
     # 5
     def parity(self) -> str:

@@ -33,6 +33,7 @@ SCRIPTS = {  # a script each
     "swiglu": "interpret_swiglu.py",
     "cross_entropy": "interpret_cross_entropy.py",
     "add_rms_norm": "interpret_add_rms_norm.py",
+    "tune": "interpret_tune.py",
 }
 
 
@@ -98,6 +99,13 @@ def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkey
     doc2, merged = tune_scan.read_table(copy.read_text())
     assert doc2 == doc and merged["sm80"] == {"c32-p64-n64-bf16": entry}
     assert {k: v for k, v in merged.items() if k != "sm80"} == table
+
+
+def test_the_tuner_keeps_a_candidate_and_the_plan_leaves_the_function_as_it_is(interpreted):
+    """kernels/mamba3/tuning.py in the interpreter, timed by the wall clock: it keeps one of the
+    candidates of each kernel, the plans file stores and reads it back, and the scan under it
+    equals the scan under the defaults (interpret_tune.py asserts each)."""
+    _ran_ok(interpreted, "tune")
 
 
 def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monkeypatch, caplog):

@@ -176,6 +176,7 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
         "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "M3RUN_SCAN_PLANS": str(tmp_path / "scan_plans.json"),  # none tuned on this machine
     }
     config = tmp_path / "config.yaml"
     config.write_text(load_config(DEMO_CONFIG, overrides).to_yaml())
@@ -184,6 +185,9 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr
+    # Check 4 says where the scan's launch plans come from (the tiny shapes are in no table).
+    assert "launch plans: no tuned launch plan for sm" in smoke.stdout, smoke.stdout
+    assert "m3run tune-scan CONFIG" in smoke.stdout
     worker = subprocess.run(
         [sys.executable, "-c", _WORKER_COMPILE, str(config)],
         env=env, capture_output=True, text=True, timeout=600,

@@ -1,0 +1,144 @@
+"""`m3run tune-scan`: tune the scan kernels' launch plans on this machine's GPU, once.
+
+The checked-in launch table holds plans for the GPUs the kernels were tuned on; on any other
+(an A100 where the table has sm90 only) the scan runs safe defaults and says so at launch. This
+command times the candidates at the config's shapes on this GPU, outside any training process,
+and stores the best plan in this machine's plans file (kernels/mamba3/local_plans.py: on the
+image's runs volume, or the systemd unit's cache directory), which every later scan reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from runner.cli.app import Overrides, app, fail
+from runner.protocol import EXIT_CONFIG
+
+EPILOG = (
+    "Exit codes: 0 tuned and stored, 78 bad config or no GPU the Triton scan runs on, 1 the "
+    "tune failed (nothing stored)."
+)
+
+
+@app.command("tune-scan", epilog=EPILOG)
+def tune_scan(
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="YAML run config.")],
+    overrides: Overrides = None,
+    chunks: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--chunk", metavar="N", help="Kernel chunk to try (repeatable; default 16, 32 and 64)."
+        ),
+    ] = None,
+    plans: Annotated[
+        Path | None,
+        typer.Option(
+            "--plans",
+            metavar="FILE",
+            help="Plans file to write (default: "
+            "$M3RUN_SCAN_PLANS, else $XDG_CACHE_HOME/m3run/scan_plans.json).",
+        ),
+    ] = None,
+) -> None:
+    """Tune the scan kernels' launch plans for CONFIG's shapes on this GPU (a few minutes; run it
+    on an idle GPU, once per machine and m3run version)."""
+    import torch
+
+    from kernels.mamba3 import BackendUnavailableError, resolve_backend
+    from runner.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as e:
+        raise fail(f"m3run tune-scan: {e}", EXIT_CONFIG) from None
+    if not torch.cuda.is_available():
+        raise fail(
+            "m3run tune-scan: no CUDA GPU here: the launch plans are timed on the GPU "
+            "that trains. Fix: run it on the training machine.",
+            EXIT_CONFIG,
+        )
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        resolve_backend("triton", device)
+    except BackendUnavailableError as e:
+        raise fail(
+            f"m3run tune-scan: {e}. Fix: run it where the Triton scan runs "
+            "(an sm_80 or newer GPU with triton installed).",
+            EXIT_CONFIG,
+        ) from None
+    if cfg.model.scan_backend == "pytorch":
+        typer.echo(
+            "note: this config runs the PyTorch scan (model.scan_backend=pytorch); the "
+            "plans apply to runs on the Triton scan"
+        )
+    _tune(cfg, device, chunks or [16, 32, 64], plans)
+
+
+def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
+    import datetime
+
+    import torch
+
+    from kernels.mamba3 import local_plans, tuning
+    from kernels.mamba3 import triton_common as tc
+    from runner.worker.build import precision_dtype
+
+    m = cfg.model
+    bad = sorted(set(chunks) - set(tc.CHUNK_SIZES))
+    if bad:
+        raise fail(f"m3run tune-scan: --chunk takes {tc.CHUNK_SIZES}, got {bad}", EXIT_CONFIG)
+    error = tc.shape_error(torch.empty(1, m.headdim), m.d_state, m.chunk_size)
+    if error is not None:
+        raise fail(f"m3run tune-scan: config {error}", EXIT_CONFIG)
+    dtype = precision_dtype(cfg, device) or torch.float32
+    shape = tuning.Shape(
+        cfg.train.micro_batch_size,
+        cfg.data.seq_len,
+        m.nheads,
+        m.headdim,
+        m.d_state,
+        m.n_angles,
+        m.ngroups,
+        dtype,
+        cfg.data.reset_at_eos,
+    )
+    free, total = torch.cuda.mem_get_info(device)
+    if free < 0.9 * total:
+        typer.echo(
+            f"note: {(total - free) / 2**30:.1f} GiB of this GPU are in use by others: "
+            "their work skews the timings; tune on an idle GPU"
+        )
+    name = torch.cuda.get_device_name(device)
+    arch = tc.arch_key(device)
+    typer.echo(f"tuning the scan on {name} ({arch}) at {shape.describe()}, chunks {chunks}")
+    caller = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
+    try:
+        tuned = tuning.tune_shape(shape, device, chunks=chunks, baseline=caller, log=typer.echo)
+    except torch.OutOfMemoryError:
+        raise fail(
+            f"m3run tune-scan: out of GPU memory at {shape.describe()}. Fix: free the "
+            "GPU (stop the run on it) and try again.",
+            EXIT_CONFIG,
+        ) from None
+    except Exception as e:  # a GPU error: the process's CUDA context is lost, nothing to store
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise fail(
+            f"m3run tune-scan: the tune failed ({type(e).__name__}: {first}); nothing was "
+            "stored, so the scan keeps the plans it had. Fix: run `m3run health`, then try again.",
+            1,
+        ) from None
+    about = {
+        "gpu": name,
+        "shape": shape.describe(),
+        "forward_backward_ms": round(tuned.ms, 4),
+        "defaults_ms": round(tuned.baseline_ms, 4),
+        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    path = local_plans.store(arch, shape.table_keys(), tuned.entry, about, plans)
+    typer.echo(
+        f"{tuning.summary(tuned)}\nstored the {arch} plan in {path}: every scan on this "
+        "machine reads it from its next start (a running worker at its next restart)"
+    )

@@ -1,0 +1,78 @@
+"""Run by test_triton_cpu.py in the Triton interpreter (TRITON_INTERPRET=1, set before Triton
+loads): the launch-plan tuner (kernels/mamba3/tuning.py) on a small shape with two candidates a
+kernel, timed by the wall clock. What it keeps must be one of the candidates, stored in a plans
+file and read back, and a scan under the tuned plan must give what it gives under the defaults
+(the plan changes launches, not the function). Prints "ok" at the end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import interpret_scan  # noqa: F401  (the interpreter's patches, as for the scan's runs)
+import torch
+
+from kernels.mamba3 import local_plans, tuning
+from kernels.mamba3 import triton_common as tc
+
+C = tc.LaunchConfig
+CANDIDATES = {  # the second of each changes the launch's grid or flags: recorded afresh
+    "fwd": [C(4, 2), C(2, 1, bv=16)],
+    "bwd_dstate": [C(4, 1), C(2, 1, bv=16)],
+    "bwd_chunk": [C(4, 1), C(2, 1, bv=16)],
+    "bwd_angle": [C(4, 2), C(1, 1, hb=2)],
+}
+
+
+def wall_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def outputs(x: dict, plan: tc.Plan) -> list[torch.Tensor]:
+    with tc.forcing_plan(plan):
+        y = tuning._scan(x, plan.chunk)
+        y.backward(torch.ones_like(y))
+    out = [y.detach()] + [v.grad.clone() for v in x.values() if v.grad is not None]
+    for v in x.values():
+        v.grad = None
+    return out
+
+
+def main() -> None:
+    shape = tuning.Shape(1, 64, 4, 32, 16, 4, 1, torch.float32, reset=True)
+    lines: list[str] = []
+    tuned = tuning.tune_shape(shape, torch.device("cpu"), chunks=[16], timer=wall_ms,
+                              candidates=CANDIDATES, log=lines.append)  # fmt: skip
+    entry = tuned.entry
+    assert entry["chunk"] == 16, entry
+    for name in tc.KERNELS:
+        assert C(**entry[name]) in CANDIDATES[name], (name, entry[name])
+    assert tuned.ms > 0 and tuned.baseline_ms > 0, tuned
+    assert sum("best" in line for line in lines) == len(tc.KERNELS), lines
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ[local_plans.PLANS_ENV] = str(Path(tmp) / "plans.json")
+        path = local_plans.store("sm_test", shape.table_keys(), entry, {"gpu": "interpreter"})
+        assert local_plans.lookup("sm_test", shape.table_keys()[1]) == entry
+        assert local_plans.lookup("sm_other", shape.table_keys()[1]) is None
+        assert path.exists() and not list(Path(tmp).glob(".scan_plans-*"))
+
+    x = tuning.scan_inputs(shape, torch.device("cpu"))
+    recorded = tuning.record(x, tc.Plan(16, dict(tc.DEFAULT_CONFIGS)))
+    assert set(tc.KERNELS) <= set(recorded), sorted(recorded)  # the backward's launches too
+    got = outputs(x, tc.Plan(16, tc.entry_configs(entry)))
+    want = outputs(x, tc.Plan(16, dict(tc.DEFAULT_CONFIGS)))
+    for a, b in zip(got, want, strict=True):
+        err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+        assert err <= 1e-5, err
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
