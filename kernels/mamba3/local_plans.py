@@ -23,6 +23,7 @@ An entry is what the checked-in table holds for a shape: ``chunk`` and each kern
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -59,10 +60,12 @@ def plans_path() -> Path:
 def fingerprint() -> str:
     """A digest of the kernels' source and Triton's version: plans timed on other kernels do
     not apply."""
-    from .triton_common import triton
-
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = "none"
     h = hashlib.sha256()
-    h.update((getattr(triton, "__version__", "none") if triton is not None else "none").encode())
+    h.update(triton_version.encode())
     here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update(name.encode())

@@ -241,6 +241,12 @@ def plan_source(device: torch.device, p: int, n: int, chunk_size: int,
     return f"{where} ({arch} {key}, chunk {plan.chunk})"
 
 
+def has_tuned_plan(device: torch.device, p: int, n: int, chunk_size: int,
+                   dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether this shape has a tuned plan on ``device`` (this machine's or the table's)."""
+    return _tuned(arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)) is not None
+
+
 def _untuned_message(arch: str, key: str) -> str:
     from .local_plans import TUNE_COMMAND, plans_path
 

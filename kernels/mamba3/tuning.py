@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -293,3 +294,26 @@ def summary(t: Tuned) -> str:
         f"chunk {t.entry['chunk']}: forward+backward {t.ms:.3f} ms against {t.baseline_ms:.3f} "
         f"ms without it ({speedup:.2f}x), tuned in {t.seconds:.0f} s"
     )
+
+
+def tune_and_store(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
+                   baseline: tc.Plan | None = None, log=print,
+                   path: Path | None = None) -> tuple[Tuned, Path]:  # fmt: skip
+    """Tune ``shape`` on ``device`` (:func:`tune_shape`) and store the plan in this machine's
+    plans (``path``: the plans file, by default local_plans.plans_path()) for every caller chunk
+    of the shape, with the GPU, the shape, the times and when; this process reads it at once.
+    Returns the result and the file."""
+    import datetime
+
+    from . import local_plans
+
+    tuned = tune_shape(shape, device, chunks=chunks, baseline=baseline, log=log)
+    about = {
+        "gpu": torch.cuda.get_device_name(device),
+        "shape": shape.describe(),
+        "forward_backward_ms": round(tuned.ms, 4),
+        "defaults_ms": round(tuned.baseline_ms, 4),
+        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    stored = local_plans.store(tc.arch_key(device), shape.table_keys(), tuned.entry, about, path)
+    return tuned, stored

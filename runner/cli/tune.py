@@ -78,13 +78,11 @@ def tune_scan(
 
 
 def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
-    import datetime
-
     import torch
 
-    from kernels.mamba3 import local_plans, tuning
     from kernels.mamba3 import triton_common as tc
-    from runner.worker.build import precision_dtype
+    from kernels.mamba3 import tuning
+    from runner.worker.build import scan_shape
 
     m = cfg.model
     bad = sorted(set(chunks) - set(tc.CHUNK_SIZES))
@@ -93,30 +91,19 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
     error = tc.shape_error(torch.empty(1, m.headdim), m.d_state, m.chunk_size)
     if error is not None:
         raise fail(f"m3run tune-scan: config {error}", EXIT_CONFIG)
-    dtype = precision_dtype(cfg, device) or torch.float32
-    shape = tuning.Shape(
-        cfg.train.micro_batch_size,
-        cfg.data.seq_len,
-        m.nheads,
-        m.headdim,
-        m.d_state,
-        m.n_angles,
-        m.ngroups,
-        dtype,
-        cfg.data.reset_at_eos,
-    )
+    shape = scan_shape(cfg, device)
     free, total = torch.cuda.mem_get_info(device)
     if free < 0.9 * total:
         typer.echo(
             f"note: {(total - free) / 2**30:.1f} GiB of this GPU are in use by others: "
             "their work skews the timings; tune on an idle GPU"
         )
-    name = torch.cuda.get_device_name(device)
-    arch = tc.arch_key(device)
+    name, arch = torch.cuda.get_device_name(device), tc.arch_key(device)
     typer.echo(f"tuning the scan on {name} ({arch}) at {shape.describe()}, chunks {chunks}")
-    caller = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
+    untuned = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
     try:
-        tuned = tuning.tune_shape(shape, device, chunks=chunks, baseline=caller, log=typer.echo)
+        tuned, path = tuning.tune_and_store(shape, device, chunks=chunks, baseline=untuned,
+                                            log=typer.echo, path=plans)  # fmt: skip
     except torch.OutOfMemoryError:
         raise fail(
             f"m3run tune-scan: out of GPU memory at {shape.describe()}. Fix: free the "
@@ -130,14 +117,6 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
             "stored, so the scan keeps the plans it had. Fix: run `m3run health`, then try again.",
             1,
         ) from None
-    about = {
-        "gpu": name,
-        "shape": shape.describe(),
-        "forward_backward_ms": round(tuned.ms, 4),
-        "defaults_ms": round(tuned.baseline_ms, 4),
-        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-    path = local_plans.store(arch, shape.table_keys(), tuned.entry, about, plans)
     typer.echo(
         f"{tuning.summary(tuned)}\nstored the {arch} plan in {path}: every scan on this "
         "machine reads it from its next start (a running worker at its next restart)"

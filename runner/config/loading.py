@@ -100,6 +100,7 @@ LEGACY_VALUES: dict[str, bool | str] = {
     "train.compile_scope": "model",
     "train.deterministic": False,
     "supervisor.warm_spare": False,
+    "supervisor.tune_scan": False,
 }
 
 

@@ -81,6 +81,13 @@ class SupervisorConfig(_Section):
     smoke: bool = Field(
         True, description="Run the preflight smoke test (a few real steps) before the first launch."
     )
+    tune_scan: bool = Field(
+        True,
+        description="On a GPU with no tuned launch plan for the scan kernels (neither this "
+        "machine's, from `m3run tune-scan`, nor the checked-in table's: an A100, say), the smoke "
+        "test tunes one first (a minute or two, once per machine and m3run version) and stores "
+        "it where every worker reads it; false runs the slower defaults until you tune.",
+    )
     warm_spare: bool | Literal["auto"] = Field(
         "auto",
         description="Keep the next worker started and imported while one trains (and a "

@@ -56,6 +56,7 @@ from .build import (
     compile_for_training,
     precision_dtype,
     resolve_device,
+    scan_shape,
     set_determinism,
 )
 from .preimport import DYNAMO, CompileStack, import_in_background, wait_imported
@@ -100,9 +101,10 @@ class SmokeResult:
 class _Smoke:
     def __init__(
         self, cfg: RunConfig, scratch: Path | None = None, compile_backend="inductor",
-        compile_stack: CompileStack | None = None,
+        compile_stack: CompileStack | None = None, echo=print,
     ):  # fmt: skip
         self.cfg = cfg
+        self.echo = echo or (lambda line: None)  # progress inside a long check
         self.scratch = scratch  # where check 7 writes (None: the system's temp directory)
         self.compile_backend = compile_backend  # train.compile's (tests pass a CPU-only one)
         # torch's compile stack being imported on a thread (preimport.py), as in the worker.
@@ -162,6 +164,7 @@ class _Smoke:
     def forward_backward(self) -> str:
         if self.batch is None:
             raise CheckSkipped("no batch: the data check failed")
+        tuned = self._tune_scan()  # first: the scan's kernels then compile under its plan
         self.model = build_model(self.cfg, self.device)
         self.round_trip = _start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
@@ -205,7 +208,41 @@ class _Smoke:
         t = self.cfg.train
         how = f", compiled (scope {t.compile_scope}) as the worker runs it" if t.compile else ""
         return (f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
-                f"{self.model.num_params():,} params{how}{_precompiled(job)}")  # fmt: skip
+                f"{self.model.num_params():,} params{how}{_precompiled(job)}{tuned}")  # fmt: skip
+
+    def _tune_scan(self) -> str:
+        """supervisor.tune_scan: where this GPU has no tuned launch plan for the run's scan
+        (an A100 against the checked-in sm90 table), tune one and store it where every worker
+        reads it (kernels/mamba3/tuning.py; once per machine: the next launch finds it)."""
+        c, m = self.cfg, self.cfg.model
+        if not c.supervisor.tune_scan or self.device.type != "cuda":
+            return ""
+        try:
+            if resolve_backend(m.scan_backend, self.device) != "triton":
+                return ""
+        except BackendUnavailableError:
+            return ""  # check 4 says why
+        from kernels.mamba3 import triton_common as tc
+        from kernels.mamba3 import tuning
+
+        dtype = self.amp or torch.float32
+        if tc.has_tuned_plan(self.device, m.headdim, m.d_state, m.chunk_size, dtype):
+            return ""
+        shape = scan_shape(c, self.device)
+        self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
+                  f"{shape.describe()} (once per machine, a minute or two)")  # fmt: skip
+        untuned = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
+        try:
+            tuned, path = tuning.tune_and_store(shape, self.device, baseline=untuned,
+                                                log=lambda line: None)  # fmt: skip
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise CheckFailed(
+                f"tuning the scan's launch plans failed ({type(e).__name__}: {first}). Fix: "
+                "set supervisor.tune_scan=false to run the default plans, or run `m3run "
+                "tune-scan CONFIG` alone to see the candidates"
+            ) from e
+        return f"; the scan's launch plans tuned for this GPU, {tuning.summary(tuned)}, in {path}"
 
     def eager(self):
         """Runs what check 3 compiled eagerly inside it: the later checks' shapes and copies
@@ -451,7 +488,9 @@ def run_smoke(
     # less on an H200 (docs/benchmarks.md, 2026-12-04 (second)).
     stack = import_in_background() if cfg.train.compile else None
     try:
-        smoke = _Smoke(cfg, None if run_dir is None else Path(run_dir), compile_backend, stack)
+        smoke = _Smoke(
+            cfg, None if run_dir is None else Path(run_dir), compile_backend, stack, echo
+        )
     except ConfigError as e:
         result.checks.append(Check(1, CHECKS[0][0], "failed", str(e), 0.0))
         return result

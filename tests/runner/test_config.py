@@ -437,6 +437,7 @@ LEGACY = [
     ("data", "reset_at_eos", False, True),
     ("train", "compile_scope", "model", "blocks"),
     ("train", "deterministic", False, False),
+    ("supervisor", "tune_scan", False, True),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -195,3 +196,38 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
     assert worker.returncode == 0, worker.stdout + worker.stderr
     hits, misses = map(int, worker.stdout.split("CACHE")[1].split()[:2])
     assert hits >= 2 and misses == 0, worker.stdout  # the block's and the loss's graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """supervisor.tune_scan: on a GPU that neither this machine's plans nor the checked-in table
+    cover, check 3 tunes the scan's plans first (here over two candidates a kernel), stores
+    them, and the kernels run under them; the next smoke test finds them and does not tune."""
+    from kernels.mamba3 import local_plans, tuning
+    from kernels.mamba3 import triton_common as tc
+
+    C = tc.LaunchConfig
+    monkeypatch.setattr(tuning, "CANDIDATES", {
+        "fwd": [C(4, 2), C(4, 3)], "bwd_dstate": [C(4, 1), C(4, 2)],
+        "bwd_chunk": [C(4, 1), C(2, 1)], "bwd_angle": [C(4, 2), C(2, 1)],
+    })  # fmt: skip
+    monkeypatch.setattr(tc, "arch_key", lambda device: "sm_untuned")
+    plans = tmp_path / "scan_plans.json"
+    monkeypatch.setenv(local_plans.PLANS_ENV, str(plans))
+    monkeypatch.setattr(local_plans, "_entries", None)  # what this process read: restored after
+    on_cuda = {"train.device": "cuda", "train.precision": "bf16", "train.compile": "false",
+               "supervisor.tune_scan": "true"}  # fmt: skip
+    cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **on_cuda))
+    lines: list[str] = []
+    first = run_smoke(cfg, echo=lines.append)
+    assert first.ok, first.failed_check_message
+    check3 = first.checks[2].message
+    assert "launch plans tuned for this GPU" in check3 and str(plans) in check3, check3
+    assert any("tuning one at" in line for line in lines), lines
+    stored = json.loads(plans.read_text())["plans"]["sm_untuned"]
+    assert {e["chunk"] for e in stored.values()} <= {16, 32, 64}
+    assert "tuned on this machine" in first.checks[3].message
+    second = run_smoke(cfg, echo=None)
+    assert second.ok and "tuned for this GPU" not in second.checks[2].message
