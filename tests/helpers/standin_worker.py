@@ -4,7 +4,8 @@ SIGTERM → save → 75) and misbehaves on cue, so the supervisor can be tested 
 Run as `python standin_worker.py RUN_DIR RESUME LR_SCALE`. Attempt n follows plan.json[n] (the
 last entry repeats). Plan keys: steps, step_time, ckpt_every, exit, hang_at (stop heartbeating
 at that step), ignore_term, no_heartbeat, vram, torn_at (write a checkpoint with a bad hash),
-hang_on_exit (report phase "finished", then never exit). Every attempt appends a line to
+hang_on_exit (report phase "finished", then never exit), write_s (once it has saved, its
+heartbeats say its checkpoints take that long to write). Every attempt appends a line to
 attempts.jsonl (pid, resume, lr_scale, the fault env).
 """
 
@@ -99,19 +100,22 @@ def main() -> None:
     heartbeat("startup", step)
     print(f"stand-in worker attempt {n} resume={resume} lr_scale={lr_scale}", flush=True)
     step_time = spec.get("step_time", 0.02)
+    saved: dict = {}  # what its heartbeats say of its last checkpoint, once it has one
     for _ in range(spec.get("steps", 5)):
         if spec.get("hang_at") == step:
             print(f"hanging at step {step}", flush=True)
             time.sleep(1e9)
         time.sleep(step_time)
         step += 1
-        heartbeat("training", step, step_time_s=step_time, vram_bytes=spec.get("vram"))
+        heartbeat("training", step, step_time_s=step_time, vram_bytes=spec.get("vram"), **saved)
         print(f"step {step}", flush=True)
         if spec.get("torn_at") == step:
             save(step, torn=True)
         elif spec.get("ckpt_every") and step % spec["ckpt_every"] == 0:
             heartbeat("checkpointing", step, step_time_s=step_time)
             save(step)
+            if "write_s" in spec:
+                saved = {"checkpoint_time_s": 0.5, "checkpoint_write_s": spec["write_s"]}
         if stop:
             heartbeat("stopping", step)
             save(step)

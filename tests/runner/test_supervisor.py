@@ -397,6 +397,34 @@ def test_metadata_preemption_notice_stops_the_run(tmp_path, standin, provider):
     assert watch["provider"] == provider
 
 
+@pytest.mark.parametrize("write_s, warned", [(40.0, True), (2.0, False)])
+def test_a_checkpoint_too_slow_for_a_preemption_notice_is_warned_about_once(
+    tmp_path, standin, write_s, warned
+):
+    """With GCP's 30 s notice watched, a worker whose checkpoints take 40 s to write could not
+    save on a notice: one warning event names the numbers and the fixes; 2 s fits, no event."""
+    from helpers.metadata_server import FakeMetadataServer
+
+    run_dir = make_run(tmp_path, [{"steps": 12, "step_time": 0.1, "ckpt_every": 3,
+                                   "write_s": write_s}])  # fmt: skip
+    with FakeMetadataServer("gcp") as srv:
+        sup = Supervisor(
+            run_dir,
+            settings(preemption_provider="auto", metadata_url=srv.base_url, preemption_poll_s=0.1),
+            argv_for(standin, run_dir),
+            handle_signals=False,
+        )
+        assert sup.run() == EXIT_OK
+    found = events_named(read_jsonl(run_dir / EVENTS_FILE), "preemption_budget")
+    if not warned:
+        assert found == []
+        return
+    assert len(found) == 1, found
+    reason = found[0]["reason"]
+    assert "40.0 s to write" in reason and "the 30 s a gcp notice gives" in reason
+    assert "more than" in reason and "Fix:" in reason and "checkpoint.interval_steps" in reason
+
+
 def test_stop_during_backoff_needs_no_worker(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 1, "exit": 1}])
     sup = Supervisor(
