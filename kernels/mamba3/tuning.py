@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import local_plans
 from . import triton_common as tc
 from .triton_precompile import Launch, precompile, scan_launches
 from .triton_siso import mamba3_siso_triton
@@ -297,23 +298,39 @@ def summary(t: Tuned) -> str:
 
 
 def tune_and_store(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
-                   baseline: tc.Plan | None = None, log=print,
-                   path: Path | None = None) -> tuple[Tuned, Path]:  # fmt: skip
-    """Tune ``shape`` on ``device`` (:func:`tune_shape`) and store the plan in this machine's
-    plans (``path``: the plans file, by default local_plans.plans_path()) for every caller chunk
-    of the shape, with the GPU, the shape, the times and when; this process reads it at once.
-    Returns the result and the file."""
+                   baseline: tc.Plan | None = None, log=print, path: Path | None = None,
+                   **search) -> tuple[Tuned, Path]:  # fmt: skip
+    """Tune ``shape`` on ``device`` (:func:`tune_shape`, which takes ``search``'s timer and
+    candidates) and store the plan in this machine's plans (``path``: the plans file, by
+    default local_plans.plans_path()) for every caller chunk of the shape, with the GPU, the
+    shape, the times and when; this process reads it at once. Returns the result and the file;
+    raises :class:`PlansNotStored` when the file cannot be written."""
     import datetime
 
-    from . import local_plans
-
-    tuned = tune_shape(shape, device, chunks=chunks, baseline=baseline, log=log)
+    tuned = tune_shape(shape, device, chunks=chunks, baseline=baseline, log=log, **search)
     about = {
-        "gpu": torch.cuda.get_device_name(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "shape": shape.describe(),
         "forward_backward_ms": round(tuned.ms, 4),
         "defaults_ms": round(tuned.baseline_ms, 4),
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    stored = local_plans.store(tc.arch_key(device), shape.table_keys(), tuned.entry, about, path)
+    target = local_plans.plans_path() if path is None else path
+    arch = tc.arch_key(device) if device.type == "cuda" else device.type  # the interpreter's: cpu
+    try:
+        stored = local_plans.store(arch, shape.table_keys(), tuned.entry, about, target)
+    except OSError as e:
+        raise PlansNotStored(target, e, tuned) from e
     return tuned, stored
+
+
+class PlansNotStored(Exception):
+    """A tune that ran but whose plan could not be written (``tuned`` holds it)."""
+
+    def __init__(self, path: Path, error: OSError, tuned: Tuned):
+        super().__init__(
+            f"cannot write the tuned launch plans to {path} ({error}). Fix: make {path.parent} "
+            f"writable, or set {local_plans.PLANS_ENV} to a file on writable storage that "
+            "survives restarts"
+        )
+        self.path, self.tuned = path, tuned

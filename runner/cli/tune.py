@@ -104,6 +104,8 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
     try:
         tuned, path = tuning.tune_and_store(shape, device, chunks=chunks, baseline=untuned,
                                             log=typer.echo, path=plans)  # fmt: skip
+    except tuning.PlansNotStored as e:
+        raise fail(f"m3run tune-scan: {tuning.summary(e.tuned)}, but {e}", 1) from None
     except torch.OutOfMemoryError:
         raise fail(
             f"m3run tune-scan: out of GPU memory at {shape.describe()}. Fix: free the "

@@ -1,6 +1,7 @@
 """Run by test_triton_cpu.py in the Triton interpreter (TRITON_INTERPRET=1, set before Triton
 loads): the launch-plan tuner (kernels/mamba3/tuning.py) on a small shape with two candidates a
-kernel, timed by the wall clock. What it keeps must be one of the candidates, stored in a plans
+kernel, timed by the wall clock. A plans file that cannot be written is an error that names it
+and the fix, holding the plan; what it keeps must be one of the candidates, stored in a plans
 file and read back, and a scan under the tuned plan must give what it gives under the defaults
 (the plan changes launches, not the function). Prints "ok" at the end."""
 
@@ -47,8 +48,19 @@ def outputs(x: dict, plan: tc.Plan) -> list[torch.Tensor]:
 def main() -> None:
     shape = tuning.Shape(1, 64, 4, 32, 16, 4, 1, torch.float32, reset=True)
     lines: list[str] = []
-    tuned = tuning.tune_shape(shape, torch.device("cpu"), chunks=[16], timer=wall_ms,
-                              candidates=CANDIDATES, log=lines.append)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        blocker = Path(tmp) / "a-file"  # a plans file under a file: it cannot be written
+        blocker.write_text("")
+        try:
+            tuning.tune_and_store(shape, torch.device("cpu"), chunks=[16], log=lines.append,
+                                  path=blocker / "plans.json", timer=wall_ms,
+                                  candidates=CANDIDATES)  # fmt: skip
+        except tuning.PlansNotStored as e:
+            tuned, message = e.tuned, str(e)
+        else:
+            raise AssertionError("a plans file under a file was written")
+    assert message.startswith(f"cannot write the tuned launch plans to {blocker}"), message
+    assert "M3RUN_SCAN_PLANS" in message
     entry = tuned.entry
     assert entry["chunk"] == 16, entry
     for name in tc.KERNELS:

@@ -204,7 +204,9 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
                                                                      monkeypatch):  # fmt: skip
     """supervisor.tune_scan: on a GPU that neither this machine's plans nor the checked-in table
     cover, check 3 tunes the scan's plans first (here over two candidates a kernel), stores
-    them, and the kernels run under them; the next smoke test finds them and does not tune."""
+    them, and the kernels run under them; the next smoke test finds them and does not tune. A
+    plans file that cannot be written does not stop the launch: check 3 says so, with the fix,
+    and the run keeps the defaults."""
     from kernels.mamba3 import local_plans, tuning
     from kernels.mamba3 import triton_common as tc
 
@@ -220,6 +222,14 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     on_cuda = {"train.device": "cuda", "train.precision": "bf16", "train.compile": "false",
                "supervisor.tune_scan": "true"}  # fmt: skip
     cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **on_cuda))
+    blocker = tmp_path / "a-file"  # a plans file under a file cannot be written
+    blocker.write_text("")
+    monkeypatch.setenv(local_plans.PLANS_ENV, str(blocker / "scan_plans.json"))
+    unstored = run_smoke(cfg, echo=None)
+    assert unstored.ok, unstored.failed_check_message
+    assert "but cannot write the tuned launch plans" in unstored.checks[2].message
+    assert "no tuned launch plan" in unstored.checks[3].message
+    monkeypatch.setenv(local_plans.PLANS_ENV, str(plans))
     lines: list[str] = []
     first = run_smoke(cfg, echo=lines.append)
     assert first.ok, first.failed_check_message
