@@ -100,8 +100,8 @@ class Shape:
 
 
 def scan_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The scan's inputs as the model's mixer passes them, with values of a trained model's
-    ranges: q, k RMS-normed (b, t, g, n) and z, x packed (b, t, 2, h, p) in the dot dtype; Δ,
+    """The scan's inputs as the model's mixer passes them, with values in the ranges it feeds the
+    scan: q, k RMS-normed (b, t, g, n) and z, x packed (b, t, 2, h, p) in the dot dtype; Δ,
     A·Δ, λ̃ (b, h, t), biases (h, n), one set of angles (b, t, 1, s) and ``d`` in fp32; with
     ``reset``, a document start every 512 tokens. Leaves that take gradients."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -202,8 +202,9 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None, log=p
     base = record(x, tc.Plan(chunk, start))
     best, total = {}, 0.0
     for name in names:
-        if name not in base:
-            continue
+        if name not in base:  # every scan launches all four: a miss is a recording that failed
+            raise RuntimeError(f"the recorded forward and backward launched no {name} kernel "
+                               f"(recorded: {sorted(base)})")  # fmt: skip
         times = []
         for cfg in candidates[name]:
             try:

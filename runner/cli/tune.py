@@ -1,10 +1,12 @@
 """`m3run tune-scan`: tune the scan kernels' launch plans on this machine's GPU, once.
 
 The checked-in launch table holds plans for the GPUs the kernels were tuned on; on any other
-(an A100 where the table has sm90 only) the scan runs safe defaults and says so at launch. This
-command times the candidates at the config's shapes on this GPU, outside any training process,
-and stores the best plan in this machine's plans file (kernels/mamba3/local_plans.py: on the
-image's runs volume, or the systemd unit's cache directory), which every later scan reads.
+(an A100 where the table has sm90 only) a launch's smoke test tunes them first
+(supervisor.tune_scan), or the scan runs safe defaults and says so. This command does the same
+tune on its own, ahead of a launch or again after a driver change: it times the candidates at
+the config's shapes on this GPU, outside any training process, and stores the best plan in
+this machine's plans file (kernels/mamba3/local_plans.py: on the image's runs volume, or the
+systemd unit's cache directory), which every later scan reads.
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
         raise fail(f"m3run tune-scan: {tuning.summary(e.tuned)}, but {e}", 1) from None
     except torch.OutOfMemoryError:
         raise fail(
-            f"m3run tune-scan: out of GPU memory at {shape.describe()}. Fix: free the "
-            "GPU (stop the run on it) and try again.",
-            EXIT_CONFIG,
+            f"m3run tune-scan: out of GPU memory at {shape.describe()}; nothing was stored. "
+            "Fix: free the GPU (stop the run on it) and try again.",
+            1,
         ) from None
     except Exception as e:  # a GPU error: the process's CUDA context is lost, nothing to store
         first = (str(e).strip().splitlines() or [""])[0]
