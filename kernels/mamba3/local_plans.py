@@ -27,9 +27,10 @@ import importlib.metadata
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from runner.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,8 @@ def reload() -> None:
 
 def store(arch: str, keys: list[str], entry: dict, about: dict,
           path: Path | None = None) -> Path:  # fmt: skip
-    """Merge ``entry`` under ``arch`` for each shape key into the plans file (written whole to a
-    temporary file, fsynced, then renamed over it: a reader sees the old file or the new one).
+    """Merge ``entry`` under ``arch`` for each shape key into the plans file (runner.files'
+    atomic write, fsynced: a reader sees the old file or the new one).
     Plans of the file tuned on other kernels are dropped. ``about`` (the GPU, when, the shape
     timed) is kept beside each entry for people. Returns the path."""
     path = plans_path() if path is None else path
@@ -152,16 +153,6 @@ def store(arch: str, keys: list[str], entry: dict, about: dict,
         doc["plans"].setdefault(arch, {})[key] = entry
         doc["tuned"].setdefault(arch, {})[key] = about
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".scan_plans-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n", fsync=True)
     reload()
     return path
