@@ -218,8 +218,14 @@ def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch
         if (arch, key) not in _fallback_logged and not torch.compiler.is_compiling():
             _fallback_logged.add((arch, key))
             log.warning("mamba3 scan: %s", _untuned_message(arch, key))
-        return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
+        return untuned_plan(chunk_size)
     return found[0]
+
+
+def untuned_plan(chunk_size: int) -> Plan:
+    """What a call of ``chunk_size`` runs where no tuned plan exists: its chunk capped at
+    DEFAULT_CHUNK, with DEFAULT_CONFIGS (the tuners time their plans against it)."""
+    return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
 
 
 def plan_source(device: torch.device, p: int, n: int, chunk_size: int,

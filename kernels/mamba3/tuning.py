@@ -284,7 +284,7 @@ def tune_shape(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
     kept = {name: cfg.as_dict() for name, cfg in start_for(chunk).items()}
     entry = {"chunk": chunk, **kept, **results[chunk][1]}
     plan = tc.Plan(chunk, tc.entry_configs(entry))
-    baseline = baseline or tc.Plan(tc.DEFAULT_CHUNK, dict(tc.DEFAULT_CONFIGS))
+    baseline = baseline or tc.untuned_plan(tc.DEFAULT_CHUNK)
     ms = timer(lambda: forward_backward(x, plan))
     baseline_ms = timer(lambda: forward_backward(x, baseline))
     return Tuned(entry, ms, baseline_ms, time.perf_counter() - t0)

@@ -102,7 +102,7 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
         )
     name, arch = torch.cuda.get_device_name(device), tc.arch_key(device)
     typer.echo(f"tuning the scan on {name} ({arch}) at {shape.describe()}, chunks {chunks}")
-    untuned = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
+    untuned = tc.untuned_plan(m.chunk_size)
     try:
         tuned, path = tuning.tune_and_store(shape, device, chunks=chunks, baseline=untuned,
                                             log=typer.echo, path=plans)  # fmt: skip

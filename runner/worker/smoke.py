@@ -185,9 +185,8 @@ class _Smoke:
         except Exception as e:
             if self.cfg.train.compile and _is_compile_error(e):
                 cause = getattr(e, "inner_exception", None) or e  # what a backend raised
-                first = (str(cause).strip().splitlines() or [""])[0]
                 raise CheckFailed(
-                    f"torch.compile of the training step failed ({type(cause).__name__}: {first}). "
+                    f"torch.compile of the training step failed ({_first_line(cause)}). "
                     "Fix: set train.compile=false to train without it, or repair what it names "
                     "(the worker would fail the same way at its first step)"
                 ) from e
@@ -231,16 +230,15 @@ class _Smoke:
         shape = scan_shape(c, self.device)
         self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
                   f"{shape.describe()} (once per machine, a minute or two)")  # fmt: skip
-        untuned = tc.Plan(min(m.chunk_size, tc.DEFAULT_CHUNK), dict(tc.DEFAULT_CONFIGS))
         try:
-            tuned, path = tuning.tune_and_store(shape, self.device, baseline=untuned,
+            tuned, path = tuning.tune_and_store(shape, self.device,
+                                                baseline=tc.untuned_plan(m.chunk_size),
                                                 log=lambda line: None)  # fmt: skip
         except tuning.PlansNotStored as e:  # the run trains on, at the defaults: said here
             return f"; the scan's launch plans were tuned ({tuning.summary(e.tuned)}) but {e}"
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
             raise CheckFailed(
-                f"tuning the scan's launch plans failed ({type(e).__name__}: {first}). Fix: "
+                f"tuning the scan's launch plans failed ({_first_line(e)}). Fix: "
                 "set supervisor.tune_scan=false to run the default plans, or run `m3run "
                 "tune-scan CONFIG` alone to see the candidates"
             ) from e
@@ -392,6 +390,11 @@ class _Smoke:
             raise CheckFailed(msg + ": lower train.micro_batch_size or enable "
                               "train.activation_checkpointing")  # fmt: skip
         return msg
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's type and the first line of its message, for a check's one-line verdict."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _is_compile_error(e: BaseException) -> bool:
