@@ -212,7 +212,10 @@ class _Smoke:
     def _tune_scan(self) -> str:
         """supervisor.tune_scan: where this GPU has no tuned launch plan for the run's scan
         (an A100 against the checked-in sm90 table), tune one and store it where every worker
-        reads it (kernels/mamba3/tuning.py; once per machine: the next launch finds it)."""
+        reads it (kernels/mamba3/tuning.py; once per machine: the next launch finds it). At one
+        chunk, the one the defaults run (the model's, at most DEFAULT_CHUNK, 32): on an H200 host
+        the tune took 36 s there against 91 s over chunks 16, 32 and 64, whose other two lost by
+        20–33% (docs/benchmarks.md, 2026-12-04 (fifth)); `m3run tune-scan` tries all three."""
         c, m = self.cfg, self.cfg.model
         if not c.supervisor.tune_scan or self.device.type != "cuda":
             return ""
@@ -228,12 +231,14 @@ class _Smoke:
         if tc.has_tuned_plan(self.device, m.headdim, m.d_state, m.chunk_size, dtype):
             return ""
         shape = scan_shape(c, self.device)
+        untuned = tc.untuned_plan(m.chunk_size)
         self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
-                  f"{shape.describe()} (once per machine, a minute or two)")  # fmt: skip
+                  f"{shape.describe()}, chunk {untuned.chunk} (once per machine, under a "
+                  f"minute)")  # fmt: skip
         try:
-            tuned, path = tuning.tune_and_store(shape, self.device,
-                                                baseline=tc.untuned_plan(m.chunk_size),
-                                                log=lambda line: None)  # fmt: skip
+            tuned, path = tuning.tune_and_store(
+                shape, self.device, chunks=(untuned.chunk,), baseline=untuned, log=lambda line: None
+            )
         except tuning.PlansNotStored as e:  # the run trains on, at the defaults: said here
             return f"; the scan's launch plans were tuned ({tuning.summary(e.tuned)}) but {e}"
         except Exception as e:
@@ -242,7 +247,11 @@ class _Smoke:
                 "set supervisor.tune_scan=false to run the default plans, or run `m3run "
                 "tune-scan CONFIG` alone to see the candidates"
             ) from e
-        return f"; the scan's launch plans tuned for this GPU, {tuning.summary(tuned)}, in {path}"
+        others = " and ".join(str(n) for n in tc.CHUNK_SIZES if n != untuned.chunk)
+        return (
+            f"; the scan's launch plans tuned for this GPU, {tuning.summary(tuned)}, in "
+            f"{path} (`m3run tune-scan CONFIG` also tries chunks {others})"
+        )
 
     def eager(self):
         """Runs what check 3 compiled eagerly inside it: the later checks' shapes and copies

@@ -236,8 +236,10 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     check3 = first.checks[2].message
     assert "launch plans tuned for this GPU" in check3 and str(plans) in check3, check3
     assert any("tuning one at" in line for line in lines), lines
+    assert "`m3run tune-scan CONFIG` also tries chunks" in check3, check3
     stored = json.loads(plans.read_text())["plans"]["sm_untuned"]
-    assert {e["chunk"] for e in stored.values()} <= {16, 32, 64}
+    # At the one chunk the defaults run, not the three `m3run tune-scan` tries.
+    assert {e["chunk"] for e in stored.values()} == {tc.untuned_plan(cfg.model.chunk_size).chunk}
     assert "tuned on this machine" in first.checks[3].message
     second = run_smoke(cfg, echo=None)
     assert second.ok and "tuned for this GPU" not in second.checks[2].message
