@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from kernels.mamba3 import triton_sums
-from kernels.mamba3.triton_common import LaunchConfig
+from kernels.mamba3.launching import LaunchConfig
 
 
 def time_launch(dq, dk, dd, partials_in, parts: bool, cfg: LaunchConfig, rows: int) -> float:

@@ -12,15 +12,15 @@ import contextlib
 import dataclasses
 import importlib
 
-from kernels.mamba3 import triton_common as tc
+from kernels.mamba3 import launching as lp
 from kernels.mamba3 import triton_siso
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(tc.LaunchConfig))
+FIELDS = frozenset(f.name for f in dataclasses.fields(lp.LaunchConfig))
 
 
 def is_plan_key(key: str) -> bool:
     """``KERNEL.FIELD`` with KERNEL one of the scan's kernels (a config key names a section)."""
-    return key.partition(".")[0] in tc.KERNELS
+    return key.partition(".")[0] in lp.KERNELS
 
 
 def plan_edit(edits: dict[str, dict], item: str, spec: str, flag: str) -> None:
@@ -29,10 +29,10 @@ def plan_edit(edits: dict[str, dict], item: str, spec: str, flag: str) -> None:
     key, _, value = item.partition("=")
     kernel, _, field = key.partition(".")
     number = value == "none" or value.lstrip("-").isdigit()
-    if kernel not in tc.KERNELS or field not in FIELDS or not number:
+    if kernel not in lp.KERNELS or field not in FIELDS or not number:
         raise SystemExit(
             f"{flag} {spec!r}: {item!r} is not KERNEL.FIELD=VALUE with KERNEL one of "
-            f"{', '.join(tc.KERNELS)}, FIELD one of {', '.join(sorted(FIELDS))} and VALUE an "
+            f"{', '.join(lp.KERNELS)}, FIELD one of {', '.join(sorted(FIELDS))} and VALUE an "
             "integer or none"
         )
     edits.setdefault(kernel, {})[field] = None if value == "none" else int(value)
@@ -52,7 +52,7 @@ def edited_plan(edits: dict | None):
         configs = dict(plan.configs)
         for kernel, fields in edits.items():
             configs[kernel] = dataclasses.replace(configs[kernel], **fields)
-        return tc.Plan(plan.chunk, configs)
+        return lp.Plan(plan.chunk, configs)
 
     triton_siso.plan_for = edited
     try:

@@ -20,18 +20,19 @@ from pathlib import Path
 
 import torch
 
+from kernels.mamba3 import launching as lp
 from kernels.mamba3 import triton_common as tc
 from kernels.mamba3 import tuning
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _table_configs(arch: str, key: str) -> dict[str, tc.LaunchConfig]:
+def _table_configs(arch: str, key: str) -> dict[str, lp.LaunchConfig]:
     """The checked-in table's configurations for this GPU and shape key, the defaults for any
     kernel it does not name."""
     from kernels.mamba3.launch_table import TABLE
 
-    return tc.entry_configs(TABLE.get(arch, {}).get(key, {}))
+    return lp.entry_configs(TABLE.get(arch, {}).get(key, {}))
 
 
 def read_table(src: str) -> tuple[str, dict]:
@@ -81,7 +82,7 @@ def main() -> None:
                           ("g", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32, 16], help="chunks to try")
-    ap.add_argument("--only", nargs="+", choices=tc.KERNELS, default=list(tc.KERNELS),
+    ap.add_argument("--only", nargs="+", choices=lp.KERNELS, default=list(lp.KERNELS),
                     help="tune these kernels; the others keep this GPU's table entry at each "
                     "chunk (the defaults where it has none)")  # fmt: skip
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
@@ -94,11 +95,11 @@ def main() -> None:
     dtype = _DTYPES[a.dtype]
     shape = tuning.Shape(a.b, a.t, a.h, a.p, a.n, a.s, a.g, dtype, reset=not a.no_reset)
     device = torch.device("cuda", torch.cuda.current_device())
-    arch = tc.arch_key(device)
+    arch = lp.arch_key(device)
     print(f"tuning on {torch.cuda.get_device_name()} ({arch}), {shape.describe()}")
 
-    def start_for(chunk: int) -> dict[str, tc.LaunchConfig]:
-        return _table_configs(arch, tc.shape_key(tc.Tiles.of(a.p, a.n, chunk), dtype))
+    def start_for(chunk: int) -> dict[str, lp.LaunchConfig]:
+        return _table_configs(arch, lp.shape_key(tc.Tiles.of(a.p, a.n, chunk), dtype))
 
     tuned = tuning.tune_shape(shape, device, chunks=a.chunk, names=a.only, start_for=start_for)
     for key in shape.table_keys():

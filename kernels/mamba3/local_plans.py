@@ -42,7 +42,7 @@ _SOURCES = ("triton_common.py", "triton_fwd.py", "triton_bwd.py", "triton_bwd_ch
             "triton_sums.py")  # fmt: skip
 
 # (arch, shape key) → entry, read from the file once a process (None: not read yet). Read when
-# triton_common is imported (:func:`load`), so that torch.compile, which traces the scan's
+# launching is imported (:func:`load`), so that torch.compile, which traces the scan's
 # callers through ``plan_for``, only ever sees a dict here, never a file read.
 _entries: dict[tuple[str, str], dict] | None = None
 _validate: Callable[[dict], str | None] = lambda entry: None  # noqa: E731
@@ -110,22 +110,25 @@ def _read(path: Path) -> dict[tuple[str, str], dict]:
 
 def load(validate: Callable[[dict], str | None] | None = None) -> None:
     """Read the file now (``validate`` says why an entry makes no plan, or None; kept for later
-    reads). triton_common calls it once, when imported."""
+    reads). launching calls it once, when imported."""
     global _entries, _validate
     if validate is not None:
         _validate = validate
     _entries = _read(plans_path())
 
 
-def lookup(arch: str, key: str) -> dict | None:
-    """This machine's tuned entry for the architecture and shape key, or None. The file is read
-    once a process: a plan tuned meanwhile applies from the next process on (a worker's next
-    restart)."""
-    entries = _entries
-    if entries is None:
+def entries() -> dict[tuple[str, str], dict]:
+    """This machine's tuned entries by (architecture, shape key), read from the file once a
+    process: a plan tuned meanwhile applies from the next process on (a worker's next restart).
+    A new dict after every read, so callers may keep what they derived from one beside it."""
+    if _entries is None:
         load()
-        entries = _entries
-    return entries.get((arch, key))
+    return _entries
+
+
+def lookup(arch: str, key: str) -> dict | None:
+    """This machine's tuned entry for the architecture and shape key, or None."""
+    return entries().get((arch, key))
 
 
 def reload() -> None:

@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import torch
 
+from .launching import LaunchConfig, launch
 from .triton_bwd_chunk import gate, rotated_tile, siso_bwd_chunk_kernel
 from .triton_common import (
     PI,
-    LaunchConfig,
     Tiles,
     chunk_phase,
     chunk_scalars,
-    launch,
     load_tile,
     segments,
     sigmoid,

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from .launching import LaunchConfig, launch
 from .triton_common import (
     TWO_PI,
-    LaunchConfig,
     Tiles,
     chunk_phase,
     chunk_scalars,
     decay_weights,
-    launch,
     rotate,
     segments,
     sigmoid,

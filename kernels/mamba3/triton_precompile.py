@@ -12,7 +12,7 @@ a pool of threads: ptxas and most of Triton's passes run without the GIL (the si
 compiled for sm_90 in 3.8 s from six threads against 6.4 s one after another on a 2-core CPU).
 A kernel compiled here is in the process's kernel cache and on disk (TRITON_CACHE_DIR), so its
 first real launch finds it; one the warmup missed compiles at its launch, as before. A scan
-launched while the compile runs waits for it (triton_common.launch) rather than compiling its
+launched while the compile runs waits for it (launching.launch) rather than compiling its
 kernels a second time, one after another, so a caller need not wait for it before its work.
 """
 
@@ -27,20 +27,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import triton_common as tc
+from . import launching as lp
 from .triton_siso import mamba3_siso_triton, recording_for
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch as the launcher made it (triton_common.launch's arguments)."""
+    """One kernel launch as the launcher made it (launching.launch's arguments)."""
 
     name: str
     kernel: object
     grid: tuple
     args: tuple
     constexprs: dict
-    cfg: tc.LaunchConfig
+    cfg: lp.LaunchConfig
 
     def key(self) -> tuple:
         """What Triton compiles one kernel for: the kernel, its constexprs and launch options,
@@ -85,7 +85,7 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
         return mamba3_siso_triton(q, k, None, adt, dt_, trap, q_bias, k_bias, angles, d, None,
                                   chunk_size=chunk_size, reset=rst, zv=zv)  # fmt: skip
 
-    tc.set_recorder(lambda *launch: launches.append(Launch(*launch)))
+    lp.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
         with recording_for(device):
             y = scan()
@@ -93,7 +93,7 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
             with torch.no_grad():
                 scan()
     finally:
-        tc.set_recorder(None)
+        lp.set_recorder(None)
     return launches
 
 
@@ -145,7 +145,7 @@ def precompile(launches: list[Launch], device: torch.device,
                     done.set_result(f"{len(distinct)} scan kernels compiled in "
                                     f"{time.perf_counter() - t0:.1f} s on {n} threads")  # fmt: skip
 
-    tc.compiling_ahead(done)  # a scan launched meanwhile waits for it
+    lp.compiling_ahead(done)  # a scan launched meanwhile waits for it
     for i in range(n):
         threading.Thread(target=work, name=f"m3run-precompile-{i}", daemon=True).start()
     return done

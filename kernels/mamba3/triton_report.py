@@ -1,7 +1,7 @@
 """Compile the scan's kernels for a GPU architecture without a GPU and report their resources.
 
 The forward and backward launchers run on ``meta`` tensors with a recorder in place of the
-launches (:func:`kernels.mamba3.triton_common.set_recorder`), so every kernel is compiled with
+launches (:func:`kernels.mamba3.launching.set_recorder`), so every kernel is compiled with
 exactly the arguments, constexprs and launch configuration a real call would use. ``ptxas -v``
 (the one bundled with Triton) then gives registers, spills and stack per thread; Triton gives the
 shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import triton_common as tc
+from . import launching as lp
 
 # Per-architecture limits a launch must fit (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in bytes per block
@@ -34,7 +34,7 @@ _TYPES = {
 class KernelReport:
     kernel: str
     arch: int
-    cfg: tc.LaunchConfig
+    cfg: lp.LaunchConfig
     registers: int
     spill_stores: int
     spill_loads: int
@@ -94,7 +94,7 @@ def _ptxas(ptx: str, arch: int) -> dict[str, int]:
     }
 
 
-def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, arch: int):
+def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: lp.LaunchConfig, arch: int):
     """Compile one launch for ``sm_<arch>``; returns Triton's compiled kernel (PTX, metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -132,7 +132,7 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: tc.LaunchConfig, 
 
 
 def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
-                    cfgs: dict[str, tc.LaunchConfig] | None = None,
+                    cfgs: dict[str, lp.LaunchConfig] | None = None,
                     per_head_qk: bool = False):  # fmt: skip
     """Run the forward and backward launchers on meta tensors; returns every launch they make as
     (name, kernel, args, constexprs, cfg), with d, z, an initial state and resets present (the
@@ -141,7 +141,7 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     from .triton_bwd import siso_bwd
     from .triton_fwd import siso_fwd
 
-    cfgs = dict(cfgs or tc.DEFAULT_CONFIGS)
+    cfgs = dict(cfgs or lp.DEFAULT_CONFIGS)
     m = dict(device="meta")
     q, k = (torch.empty(b, t, g, n, dtype=dtype, **m) for _ in range(2))
     v, z, dy = (torch.empty(b, t, h, p, dtype=dtype, **m) for _ in range(3))
@@ -153,7 +153,7 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     nc = -(-t // chunk_size)
     seg = torch.empty(b, nc * chunk_size, dtype=torch.int32, **m)
     launches = []
-    tc.set_recorder(lambda name, kern, grid, args, ce, cfg: launches.append((name, kern, args, ce,
+    lp.set_recorder(lambda name, kern, grid, args, ce, cfg: launches.append((name, kern, args, ce,
                                                                               cfg)))  # fmt: skip
     try:
         _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
@@ -163,11 +163,11 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
         siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
                  dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
     finally:
-        tc.set_recorder(None)
+        lp.set_recorder(None)
     return launches
 
 
-def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
+def report(arch: int, plan: lp.Plan, **shape) -> list[KernelReport]:
     """Compile every kernel of one forward+backward under ``plan`` for ``sm_<arch>``; one report
     per kernel, and one more of the chunk kernel with q, k per head (``bwd_chunk/h``: it then
     forms the bias partials itself, the head sum's work with grouped q, k)."""
@@ -184,21 +184,21 @@ def report(arch: int, plan: tc.Plan, **shape) -> list[KernelReport]:
     return out
 
 
-def table_plans() -> list[tuple[str, dict, tc.Plan]]:
+def table_plans() -> list[tuple[str, dict, lp.Plan]]:
     """The defaults (at DEFAULT_CHUNK) and each distinct plan
     of the launch table, as (name, shape, plan) with the shape arguments of :func:`report`."""
     from .launch_table import TABLE
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     bench = dict(p=64, n=64, dtype=torch.bfloat16)
-    defaults = dict(tc.DEFAULT_CONFIGS)
-    out = [("defaults", bench, tc.Plan(tc.DEFAULT_CHUNK, defaults))]
+    defaults = dict(lp.DEFAULT_CONFIGS)
+    out = [("defaults", bench, lp.Plan(lp.DEFAULT_CHUNK, defaults))]
     seen = set()
     for arch, keys in sorted(TABLE.items()):
         for key, entry in sorted(keys.items()):
             _, p, n, dtype = key.split("-")
-            configs = tc.entry_configs(entry)
-            plan = tc.Plan(int(entry.get("chunk", 64)), configs)
+            configs = lp.entry_configs(entry)
+            plan = lp.Plan(int(entry.get("chunk", 64)), configs)
             shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
             ident = (plan.chunk, tuple(sorted(configs.items())), p, n, dtype)
             if ident not in seen:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import LaunchConfig, launch, tl, triton
+from .launching import LaunchConfig, launch
+from .triton_common import tl, triton
 
 if triton is not None:
 

@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import launching as lp
 from . import local_plans
 from . import triton_common as tc
 from .triton_precompile import Launch, precompile, scan_launches
 from .triton_siso import mamba3_siso_triton
 
-C = tc.LaunchConfig
-CANDIDATES: dict[str, list[tc.LaunchConfig]] = {
+C = lp.LaunchConfig
+CANDIDATES: dict[str, list[lp.LaunchConfig]] = {
     # bv 32: twice the sequential programs (b·h·2, one per p half), each with half the state
     # tile; slower than whole p on an earlier forward (docs/benchmarks.md), retried on this one.
     # wg 1: the wide products transposed (64 rows), warpgroup MMAs on sm_90. maxnreg 128: four
@@ -91,10 +92,10 @@ class Shape:
     def table_keys(self) -> list[str]:
         """The table keys this shape's plan serves: one per caller chunk size (the kernels'
         chunk is the plan's, whatever the caller's)."""
-        return [tc.shape_key(tc.Tiles.of(self.p, self.n, c), self.dtype) for c in tc.CHUNK_SIZES]
+        return [lp.shape_key(tc.Tiles.of(self.p, self.n, c), self.dtype) for c in tc.CHUNK_SIZES]
 
     def describe(self) -> str:
-        name = tc.shape_key(tc.Tiles.of(self.p, self.n, 16), self.dtype).split("-")[-1]
+        name = lp.shape_key(tc.Tiles.of(self.p, self.n, 16), self.dtype).split("-")[-1]
         return (f"b{self.b} t{self.t} h{self.h} p{self.p} n{self.n} s{self.s} g{self.g} {name}"
                 f"{', resets' if self.reset else ''}")  # fmt: skip
 
@@ -133,16 +134,16 @@ def _scan(x: dict, chunk: int) -> torch.Tensor:
                               reset=x.get("reset"), zv=x["zv"])  # fmt: skip
 
 
-def forward_backward(x: dict, plan: tc.Plan) -> None:
+def forward_backward(x: dict, plan: lp.Plan) -> None:
     """One forward and backward of the scan under ``plan``."""
-    with tc.forcing_plan(plan):
+    with lp.forcing_plan(plan):
         y = _scan(x, plan.chunk)
         y.backward(torch.ones_like(y))
     for val in x.values():
         val.grad = None
 
 
-def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
+def record(x: dict, plan: lp.Plan) -> dict[str, tuple]:
     """Every launch of one forward+backward under ``plan`` (executed), by kernel name, kept for
     re-timing: (kernel, grid, args, constexprs, config)."""
     launches = {}
@@ -151,16 +152,16 @@ def record(x: dict, plan: tc.Plan) -> dict[str, tuple]:
         kern[grid](*args, **ce, **cfg.launch_kwargs())
         launches[name] = (kern, grid, args, ce, cfg)
 
-    with tc.recording_everywhere(rec):
+    with lp.recording_everywhere(rec):
         forward_backward(x, plan)
     if x["zv"].is_cuda:
         torch.cuda.synchronize()
     return launches
 
 
-def _plans(chunks: list[int], names, start_for, candidates) -> list[tuple[str, tc.Plan]]:
+def _plans(chunks: list[int], names, start_for, candidates) -> list[tuple[str, lp.Plan]]:
     """(kernel, plan) for every candidate of every kernel at every chunk."""
-    return [(name, tc.Plan(chunk, dict(start_for(chunk), **{name: cfg})))
+    return [(name, lp.Plan(chunk, dict(start_for(chunk), **{name: cfg})))
             for chunk in chunks for name in names for cfg in candidates[name]]  # fmt: skip
 
 
@@ -169,7 +170,7 @@ def compile_candidates(shape: Shape, device: torch.device, plans, log=print) -> 
     on meta tensors); a candidate that does not compile is reported when it is timed."""
     launches: list[Launch] = []
     for name, plan in plans:
-        with tc.forcing_plan(plan):
+        with lp.forcing_plan(plan):
             recorded = scan_launches(shape.b, shape.t, shape.h, shape.p, shape.n, shape.s,
                                      g=shape.g, chunk_size=plan.chunk, dtype=shape.dtype,
                                      reset=shape.reset, device=device)  # fmt: skip
@@ -190,7 +191,7 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None, log=print,
+def tune(x: dict, chunk: int, names=lp.KERNELS, start: dict | None = None, log=print,
          timer: Timer = cuda_timer, candidates=None) -> tuple[float, dict[str, dict]]:  # fmt: skip
     """Time each kernel of ``names`` alone under each candidate at this chunk, the others under
     ``start`` (the defaults when None); returns the sum of the best times (ms) and {kernel: best
@@ -198,8 +199,8 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None, log=p
     afresh from a forward+backward under it; a kernel's follower (FOLLOWERS) is timed with it,
     and the angle kernel with its head blocks' sum."""
     candidates = CANDIDATES if candidates is None else candidates
-    start = dict(start or tc.DEFAULT_CONFIGS)
-    base = record(x, tc.Plan(chunk, start))
+    start = dict(start or lp.DEFAULT_CONFIGS)
+    base = record(x, lp.Plan(chunk, start))
     best, total = {}, 0.0
     for name in names:
         if name not in base:  # every scan launches all four: a miss is a recording that failed
@@ -210,7 +211,7 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None, log=p
             try:
                 launches = base
                 if any(getattr(cfg, f) != getattr(start[name], f) for f in _SHAPING):
-                    launches = record(x, tc.Plan(chunk, dict(start, **{name: cfg})))
+                    launches = record(x, lp.Plan(chunk, dict(start, **{name: cfg})))
                 call, with_follower = _timed_call(name, launches, cfg)
                 ms = timer(call)
             except Exception as exc:  # a config that does not compile or launch here
@@ -227,7 +228,7 @@ def tune(x: dict, chunk: int, names=tc.KERNELS, start: dict | None = None, log=p
     return total, best
 
 
-def _timed_call(name: str, launches: dict, cfg: tc.LaunchConfig) -> tuple[Callable, str]:
+def _timed_call(name: str, launches: dict, cfg: lp.LaunchConfig) -> tuple[Callable, str]:
     """The kernel's launch under ``cfg`` on its recorded arguments, with what must follow it."""
     kern, grid, args, ce, _ = launches[name]
     follower = launches.get(FOLLOWERS.get(name, ""))
@@ -260,7 +261,7 @@ class Tuned:
 
 
 def tune_shape(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
-               names=tc.KERNELS, start_for=None, baseline: tc.Plan | None = None, log=print,
+               names=lp.KERNELS, start_for=None, baseline: lp.Plan | None = None, log=print,
                timer: Timer = cuda_timer, candidates=None) -> Tuned:  # fmt: skip
     """Tune every kernel of ``names`` at each chunk (the others, and the starting point, under
     ``start_for(chunk)``: the defaults when None) and keep the chunk whose kernels sum fastest.
@@ -268,7 +269,7 @@ def tune_shape(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
     ``baseline``'s (by default what runs without a tuned plan: the defaults at DEFAULT_CHUNK)."""
     t0 = time.perf_counter()
     candidates = CANDIDATES if candidates is None else candidates
-    start_for = start_for or (lambda chunk: dict(tc.DEFAULT_CONFIGS))
+    start_for = start_for or (lambda chunk: dict(lp.DEFAULT_CONFIGS))
     chunks = [c for c in chunks if c in tc.CHUNK_SIZES]
     if not chunks:
         raise ValueError(f"chunks must be among {tc.CHUNK_SIZES}")
@@ -283,8 +284,8 @@ def tune_shape(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
     chunk = min(results, key=lambda c: results[c][0])
     kept = {name: cfg.as_dict() for name, cfg in start_for(chunk).items()}
     entry = {"chunk": chunk, **kept, **results[chunk][1]}
-    plan = tc.Plan(chunk, tc.entry_configs(entry))
-    baseline = baseline or tc.untuned_plan(tc.DEFAULT_CHUNK)
+    plan = lp.Plan(chunk, lp.entry_configs(entry))
+    baseline = baseline or lp.untuned_plan(lp.DEFAULT_CHUNK)
     ms = timer(lambda: forward_backward(x, plan))
     baseline_ms = timer(lambda: forward_backward(x, baseline))
     return Tuned(entry, ms, baseline_ms, time.perf_counter() - t0)
@@ -299,7 +300,7 @@ def summary(t: Tuned) -> str:
 
 
 def tune_and_store(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
-                   baseline: tc.Plan | None = None, log=print, path: Path | None = None,
+                   baseline: lp.Plan | None = None, log=print, path: Path | None = None,
                    **search) -> tuple[Tuned, Path]:  # fmt: skip
     """Tune ``shape`` on ``device`` (:func:`tune_shape`, which takes ``search``'s timer and
     candidates) and store the plan in this machine's plans (``path``: the plans file, by
@@ -317,7 +318,7 @@ def tune_and_store(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     target = local_plans.plans_path() if path is None else path
-    arch = tc.arch_key(device) if device.type == "cuda" else device.type  # the interpreter's: cpu
+    arch = lp.arch_key(device) if device.type == "cuda" else device.type  # the interpreter's: cpu
     try:
         stored = local_plans.store(arch, shape.table_keys(), tuned.entry, about, target)
     except OSError as e:

@@ -82,6 +82,7 @@ def tune_scan(
 def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
     import torch
 
+    from kernels.mamba3 import launching as lp
     from kernels.mamba3 import triton_common as tc
     from kernels.mamba3 import tuning
     from runner.worker.build import scan_shape
@@ -100,9 +101,9 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
             f"note: {(total - free) / 2**30:.1f} GiB of this GPU are in use by others: "
             "their work skews the timings; tune on an idle GPU"
         )
-    name, arch = torch.cuda.get_device_name(device), tc.arch_key(device)
+    name, arch = torch.cuda.get_device_name(device), lp.arch_key(device)
     typer.echo(f"tuning the scan on {name} ({arch}) at {shape.describe()}, chunks {chunks}")
-    untuned = tc.untuned_plan(m.chunk_size)
+    untuned = lp.untuned_plan(m.chunk_size)
     try:
         tuned, path = tuning.tune_and_store(shape, device, chunks=chunks, baseline=untuned,
                                             log=typer.echo, path=plans)  # fmt: skip

@@ -224,14 +224,15 @@ class _Smoke:
                 return ""
         except BackendUnavailableError:
             return ""  # check 4 says why
+        from kernels.mamba3 import launching as lp
         from kernels.mamba3 import triton_common as tc
         from kernels.mamba3 import tuning
 
         dtype = self.amp or torch.float32
-        if tc.has_tuned_plan(self.device, m.headdim, m.d_state, m.chunk_size, dtype):
+        if lp.has_tuned_plan(self.device, m.headdim, m.d_state, m.chunk_size, dtype):
             return ""
         shape = scan_shape(c, self.device)
-        untuned = tc.untuned_plan(m.chunk_size)
+        untuned = lp.untuned_plan(m.chunk_size)
         self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
                   f"{shape.describe()}, chunk {untuned.chunk} (once per machine, under a "
                   f"minute)")  # fmt: skip
@@ -293,7 +294,7 @@ class _Smoke:
         here, at launch, with the command that tunes them)."""
         if self.backend != "triton":
             return ""
-        from kernels.mamba3.triton_common import plan_source
+        from kernels.mamba3.launching import plan_source
 
         m = self.cfg.model
         dtype = self.amp or torch.float32
@@ -418,7 +419,7 @@ def _precompiled(job: Future[str] | None) -> str:
     still runs is said there: its kernels then compiled at their first launch)."""
     if job is None:
         return ""
-    if not job.done():  # the launches gave up waiting for it (triton_common.AHEAD_WAIT_S)
+    if not job.done():  # the launches gave up waiting for it (launching.AHEAD_WAIT_S)
         return "; the scan kernels' precompile still ran: they compiled at their first launch"
     try:
         return f"; {job.result()}"

@@ -83,8 +83,8 @@ def _patch_lang_once_a_launch() -> None:
 _numpy_scalar_index()
 _patch_lang_once_a_launch()
 
+from kernels.mamba3 import launching as lp  # noqa: E402
 from kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
-from kernels.mamba3 import triton_common as tc  # noqa: E402
 from kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
 # ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv`` /
@@ -209,15 +209,15 @@ def main() -> None:
     for case in CASES:
         c = dict(case)
         chunk, with_state = c.pop("chunk"), c.pop("state")
-        plan = tc.Plan(c.pop("kernel_chunk", chunk), dict(tc.DEFAULT_CONFIGS))
+        plan = lp.Plan(c.pop("kernel_chunk", chunk), dict(lp.DEFAULT_CONFIGS))
         for kernel, key in (("fwd", "fwd_bv"), ("bwd_dstate", "dstate_bv")):
             if key in c:
-                base = tc.DEFAULT_CONFIGS[kernel]
-                plan.configs[kernel] = tc.LaunchConfig(base.num_warps, base.num_stages,
+                base = lp.DEFAULT_CONFIGS[kernel]
+                plan.configs[kernel] = lp.LaunchConfig(base.num_warps, base.num_stages,
                                                        bv=c.pop(key))  # fmt: skip
         if {"chunk_hpp", "chunk_cpp", "chunk_bv"} & c.keys():
-            base = tc.DEFAULT_CONFIGS["bwd_chunk"]
-            plan.configs["bwd_chunk"] = tc.LaunchConfig(base.num_warps, base.num_stages,
+            base = lp.DEFAULT_CONFIGS["bwd_chunk"]
+            plan.configs["bwd_chunk"] = lp.LaunchConfig(base.num_warps, base.num_stages,
                                                         bv=c.pop("chunk_bv", 0),
                                                         hpp=c.pop("chunk_hpp", 1),
                                                         cpp=c.pop("chunk_cpp", 1))  # fmt: skip

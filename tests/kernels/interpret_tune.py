@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import interpret_scan  # noqa: F401  (the interpreter's patches, as for the scan's runs)
 import torch
 
+from kernels.mamba3 import launching as lp
 from kernels.mamba3 import local_plans, tuning
-from kernels.mamba3 import triton_common as tc
 
-C = tc.LaunchConfig
+C = lp.LaunchConfig
 CANDIDATES = {  # the second of each changes the launch's grid or flags: recorded afresh
     "fwd": [C(4, 2), C(2, 1, bv=16)],
     "bwd_dstate": [C(4, 1), C(2, 1, bv=16)],
@@ -35,8 +35,8 @@ def wall_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def outputs(x: dict, plan: tc.Plan) -> list[torch.Tensor]:
-    with tc.forcing_plan(plan):
+def outputs(x: dict, plan: lp.Plan) -> list[torch.Tensor]:
+    with lp.forcing_plan(plan):
         y = tuning._scan(x, plan.chunk)
         y.backward(torch.ones_like(y))
     out = [y.detach()] + [v.grad.clone() for v in x.values() if v.grad is not None]
@@ -63,10 +63,10 @@ def main() -> None:
     assert "M3RUN_SCAN_PLANS" in message
     entry = tuned.entry
     assert entry["chunk"] == 16, entry
-    for name in tc.KERNELS:
+    for name in lp.KERNELS:
         assert C(**entry[name]) in CANDIDATES[name], (name, entry[name])
     assert tuned.ms > 0 and tuned.baseline_ms > 0, tuned
-    assert sum("best" in line for line in lines) == len(tc.KERNELS), lines
+    assert sum("best" in line for line in lines) == len(lp.KERNELS), lines
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[local_plans.PLANS_ENV] = str(Path(tmp) / "plans.json")
@@ -76,10 +76,10 @@ def main() -> None:
         assert list(Path(tmp).iterdir()) == [path]  # no temporary left beside it
 
     x = tuning.scan_inputs(shape, torch.device("cpu"))
-    recorded = tuning.record(x, tc.Plan(16, dict(tc.DEFAULT_CONFIGS)))
-    assert set(tc.KERNELS) <= set(recorded), sorted(recorded)  # the backward's launches too
-    got = outputs(x, tc.Plan(16, tc.entry_configs(entry)))
-    want = outputs(x, tc.Plan(16, dict(tc.DEFAULT_CONFIGS)))
+    recorded = tuning.record(x, lp.Plan(16, dict(lp.DEFAULT_CONFIGS)))
+    assert set(lp.KERNELS) <= set(recorded), sorted(recorded)  # the backward's launches too
+    got = outputs(x, lp.Plan(16, lp.entry_configs(entry)))
+    want = outputs(x, lp.Plan(16, dict(lp.DEFAULT_CONFIGS)))
     for a, b in zip(got, want, strict=True):
         err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
         assert err <= 1e-5, err

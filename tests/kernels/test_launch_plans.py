@@ -13,6 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kernels.mamba3 import launching as lp
 from kernels.mamba3 import local_plans
 from kernels.mamba3 import triton_common as tc
 from kernels.mamba3.launch_table import TABLE
@@ -32,28 +33,29 @@ def plans(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "scan_plans.json"
     monkeypatch.setenv(local_plans.PLANS_ENV, str(path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(tc, "_fallback_logged", set())
+    monkeypatch.setattr(lp, "_fallback_logged", set())
     monkeypatch.setattr(local_plans, "_warned", set())
     monkeypatch.setattr(local_plans, "_entries", None)  # what the process read: restored after
+    monkeypatch.setattr(lp, "_plans_seen", {})
     local_plans.load()
     return path
 
 
-def _plan(arch: str, monkeypatch, chunk: int = 64) -> tc.Plan:
-    monkeypatch.setattr(tc, "arch_key", lambda device: arch)
-    return tc.plan_for(CUDA, 64, 64, chunk, torch.bfloat16)
+def _plan(arch: str, monkeypatch, chunk: int = 64) -> lp.Plan:
+    monkeypatch.setattr(lp, "arch_key", lambda device: arch)
+    return lp.plan_for(CUDA, 64, 64, chunk, torch.bfloat16)
 
 
 def test_a_plan_tuned_on_this_machine_runs_and_serves_every_caller_chunk(plans, monkeypatch):
-    keys = [tc.shape_key(tc.Tiles.of(64, 64, c), torch.bfloat16) for c in tc.CHUNK_SIZES]
+    keys = [lp.shape_key(tc.Tiles.of(64, 64, c), torch.bfloat16) for c in tc.CHUNK_SIZES]
     assert local_plans.store("sm80", keys, ENTRY, {"gpu": "A100"}) == plans
     for chunk in tc.CHUNK_SIZES:
         plan = _plan("sm80", monkeypatch, chunk)
         assert plan.chunk == 16
-        assert plan.configs["fwd"] == tc.LaunchConfig(8, 2)
-        assert plan.configs["bwd_chunk"] == tc.LaunchConfig(4, 1, 168, hpp=2)
-        assert plan.configs["bwd_angle"] == tc.DEFAULT_CONFIGS["bwd_angle"]  # not named: default
-    assert "tuned on this machine" in tc.plan_source(CUDA, 64, 64, 64, torch.bfloat16)
+        assert plan.configs["fwd"] == lp.LaunchConfig(8, 2)
+        assert plan.configs["bwd_chunk"] == lp.LaunchConfig(4, 1, 168, hpp=2)
+        assert plan.configs["bwd_angle"] == lp.DEFAULT_CONFIGS["bwd_angle"]  # not named: default
+    assert "tuned on this machine" in lp.plan_source(CUDA, 64, 64, 64, torch.bfloat16)
     doc = json.loads(plans.read_text())
     assert doc["fingerprint"] == local_plans.fingerprint()
     assert doc["tuned"]["sm80"][keys[0]] == {"gpu": "A100"}
@@ -63,10 +65,24 @@ def test_this_machines_plan_comes_before_the_checked_in_table(plans, monkeypatch
     arch, key = next((a, k) for a in TABLE for k in TABLE[a])
     chunk = int(key.split("-")[0][1:])
     table = TABLE[arch][key]
-    assert _plan(arch, monkeypatch, chunk) == tc.Plan(table["chunk"], tc.entry_configs(table))
-    assert "checked-in" in tc.plan_source(CUDA, 64, 64, chunk, torch.bfloat16)
+    assert _plan(arch, monkeypatch, chunk) == lp.Plan(table["chunk"], lp.entry_configs(table))
+    assert "checked-in" in lp.plan_source(CUDA, 64, 64, chunk, torch.bfloat16)
     local_plans.store(arch, [key], ENTRY, {})
-    assert _plan(arch, monkeypatch, chunk).configs["fwd"] == tc.LaunchConfig(8, 2)
+    assert _plan(arch, monkeypatch, chunk).configs["fwd"] == lp.LaunchConfig(8, 2)
+
+
+def test_a_shapes_plan_is_looked_up_once_until_the_local_plans_are_read_again(plans, monkeypatch):
+    """Every scan call asks for its plan (three times a forward and backward): the second ask
+    gets the first's Plan without a lookup, and a plan stored meanwhile (the smoke test's tune,
+    which reads the file again) applies from the next call."""
+    first = _plan("sm80", monkeypatch)
+    assert first == lp.untuned_plan(64)
+    with monkeypatch.context() as m:
+        m.setattr(lp, "_tuned", lambda *args: pytest.fail("looked up again"))
+        assert _plan("sm80", monkeypatch) is first
+    keys = [lp.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)]
+    local_plans.store("sm80", keys, ENTRY, {"gpu": "A100"})  # reads the file again
+    assert _plan("sm80", monkeypatch).configs["fwd"] == lp.LaunchConfig(8, 2)
 
 
 def test_without_a_plan_the_defaults_run_and_the_warning_names_the_command(
@@ -74,26 +90,26 @@ def test_without_a_plan_the_defaults_run_and_the_warning_names_the_command(
 ):
     caplog.set_level(logging.WARNING)
     plan = _plan("sm_untuned", monkeypatch)
-    assert plan == tc.Plan(tc.DEFAULT_CHUNK, dict(tc.DEFAULT_CONFIGS))
+    assert plan == lp.Plan(lp.DEFAULT_CHUNK, dict(lp.DEFAULT_CONFIGS))
     assert "m3run tune-scan CONFIG" in caplog.text and str(plans) in caplog.text
-    source = tc.plan_source(CUDA, 64, 64, 64, torch.bfloat16)
+    source = lp.plan_source(CUDA, 64, 64, 64, torch.bfloat16)
     assert source.startswith("no tuned launch plan for sm_untuned c64-p64-n64-bf16")
 
 
 def test_plans_tuned_on_other_kernels_are_ignored_and_replaced_when_stored(
     plans, monkeypatch, caplog
 ):
-    key = tc.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
+    key = lp.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
     local_plans.store("sm80", [key], ENTRY, {})
     doc = json.loads(plans.read_text())
     doc["fingerprint"] = "0" * 16  # as if the kernels changed since
     plans.write_text(json.dumps(doc))
     local_plans.reload()
     caplog.set_level(logging.WARNING)
-    assert _plan("sm80", monkeypatch) == tc.Plan(tc.DEFAULT_CHUNK, dict(tc.DEFAULT_CONFIGS))
+    assert _plan("sm80", monkeypatch) == lp.Plan(lp.DEFAULT_CHUNK, dict(lp.DEFAULT_CONFIGS))
     assert "tuned on other kernels" in caplog.text and "m3run tune-scan" in caplog.text
     # A new tune writes a file of this fingerprint with its own entry only.
-    other = tc.shape_key(tc.Tiles.of(64, 64, 32), torch.bfloat16)
+    other = lp.shape_key(tc.Tiles.of(64, 64, 32), torch.bfloat16)
     local_plans.store("sm80", [other], ENTRY, {})
     doc = json.loads(plans.read_text())
     assert doc["fingerprint"] == local_plans.fingerprint() and list(doc["plans"]["sm80"]) == [other]
@@ -112,26 +128,26 @@ def test_an_unreadable_plans_file_is_ignored_with_a_warning(plans, monkeypatch, 
     plans.write_text(content)
     caplog.set_level(logging.WARNING)
     local_plans.reload()
-    assert _plan("sm80", monkeypatch).chunk == tc.DEFAULT_CHUNK
+    assert _plan("sm80", monkeypatch).chunk == lp.DEFAULT_CHUNK
     assert why in caplog.text and str(plans) in caplog.text
 
 
 def test_an_entry_that_makes_no_plan_is_skipped_for_the_next_source(plans, monkeypatch, caplog):
-    key = tc.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
+    key = lp.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
     bad = {"chunk": 16, "fwd": {"num_warps": 3, "num_stages": 1}}  # no such warp count
     local_plans.store("sm80", [key], bad, {})
     caplog.set_level(logging.WARNING)
-    assert _plan("sm80", monkeypatch) == tc.Plan(tc.DEFAULT_CHUNK, dict(tc.DEFAULT_CONFIGS))
+    assert _plan("sm80", monkeypatch) == lp.Plan(lp.DEFAULT_CHUNK, dict(lp.DEFAULT_CONFIGS))
     assert "not usable" in caplog.text and "num_warps=3" in caplog.text
     local_plans.store("sm80", [key], {"chunk": 48}, {})  # not a kernel chunk
     local_plans.reload()
-    monkeypatch.setattr(tc, "_fallback_logged", set())
-    assert _plan("sm80", monkeypatch).chunk == tc.DEFAULT_CHUNK
+    monkeypatch.setattr(lp, "_fallback_logged", set())
+    assert _plan("sm80", monkeypatch).chunk == lp.DEFAULT_CHUNK
     assert "chunk 48 is not one of" in caplog.text
 
 
 def test_a_store_replaces_the_file_whole(plans):
-    keys = [tc.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)]
+    keys = [lp.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)]
     local_plans.store("sm80", keys, ENTRY, {})
     local_plans.store("sm86", keys, {"chunk": 32}, {})
     doc = json.loads(plans.read_text())
@@ -166,12 +182,12 @@ def test_torch_compile_traces_a_local_plan_without_a_graph_break(plans, monkeypa
     """The scan's caller reads the plan's chunk inside a compiled block (its segment ids): with
     this machine's plan in force the trace must still be one graph (fullgraph raises on a
     break), and give the chunk an eager call gives."""
-    key = tc.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
+    key = lp.shape_key(tc.Tiles.of(64, 64, 64), torch.bfloat16)
     local_plans.store("sm80", [key], ENTRY, {})
-    monkeypatch.setattr(tc, "arch_key", lambda device: "sm80")
+    monkeypatch.setattr(lp, "arch_key", lambda device: "sm80")
 
     def scaled(x):
-        return x * tc.plan_for(CUDA, 64, 64, 64, torch.bfloat16).chunk
+        return x * lp.plan_for(CUDA, 64, 64, 64, torch.bfloat16).chunk
 
     torch._dynamo.reset()
     try:

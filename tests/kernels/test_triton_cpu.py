@@ -114,24 +114,24 @@ def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monk
     one graph became eight on an H200), but from the first call that runs."""
     import torch
 
-    from kernels.mamba3 import triton_common as tc
+    from kernels.mamba3 import launching as lp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(tc, "arch_key", lambda device: "sm_none")  # an architecture not tuned
-    monkeypatch.setattr(tc, "_fallback_logged", set())
+    monkeypatch.setattr(lp, "arch_key", lambda device: "sm_none")  # an architecture not tuned
+    monkeypatch.setattr(lp, "_fallback_logged", set())
 
     def scaled(x):
-        return x * tc.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk
+        return x * lp.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk
 
-    caplog.set_level("INFO", logger=tc.__name__)
+    caplog.set_level("INFO", logger=lp.__name__)
     torch._dynamo.reset()
     try:  # fullgraph: a graph break raises
         out = torch.compile(scaled, backend="eager", fullgraph=True)(torch.ones(2))
     finally:
         torch._dynamo.reset()
-    assert out.tolist() == [tc.DEFAULT_CHUNK] * 2 and "no tuned launch plan" not in caplog.text
+    assert out.tolist() == [lp.DEFAULT_CHUNK] * 2 and "no tuned launch plan" not in caplog.text
     for _ in range(2):
-        assert tc.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk == 32
+        assert lp.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk == 32
     assert caplog.text.count("no tuned launch plan for sm_none c64-p64-n64-bf16") == 1
 
 

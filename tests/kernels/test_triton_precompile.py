@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.mamba3 import api, mamba3_siso
-from kernels.mamba3 import triton_common as tc
+from kernels.mamba3 import launching as lp
 from kernels.mamba3.triton_precompile import Launch, precompile, scan_launches
 from model.config import ModelConfig
 from model.mixer import Mamba3Mixer
@@ -25,11 +25,11 @@ CUDA = [
 
 def recorded(fn) -> list[Launch]:
     launches: list[Launch] = []
-    tc.set_recorder(lambda *launch: launches.append(Launch(*launch)))
+    lp.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
         fn()
     finally:
-        tc.set_recorder(None)
+        lp.set_recorder(None)
     return launches
 
 
@@ -72,13 +72,13 @@ def test_recording_takes_only_the_recording_threads_launches():
         def __getitem__(self, grid):
             return lambda *args, **kw: self.ran.append(grid)
 
-    kernel, cfg = Kernel(), tc.LaunchConfig(num_warps=4, num_stages=1)
+    kernel, cfg = Kernel(), lp.LaunchConfig(num_warps=4, num_stages=1)
     started, release = threading.Event(), threading.Event()
 
     def other_thread():
         started.set()
         release.wait(10)
-        tc.launch("k", kernel, (3,), (), {}, cfg)
+        lp.launch("k", kernel, (3,), (), {}, cfg)
 
     worker = threading.Thread(target=other_thread)
     worker.start()
@@ -87,7 +87,7 @@ def test_recording_takes_only_the_recording_threads_launches():
     def here():
         release.set()
         worker.join(10)
-        tc.launch("k", kernel, (1,), (), {}, cfg)
+        lp.launch("k", kernel, (1,), (), {}, cfg)
 
     mine = recorded(here)
     assert [x.grid for x in mine] == [(1,)]
@@ -109,7 +109,7 @@ class Warmable:
 
 
 def test_precompile_compiles_each_distinct_launch_once_and_says_so():
-    cfg = tc.LaunchConfig(num_warps=2, num_stages=3, maxnreg=128)
+    cfg = lp.LaunchConfig(num_warps=2, num_stages=3, maxnreg=128)
     a, b = Warmable(), Warmable()
     x = torch.empty(4, 16)
     launches = [
@@ -125,7 +125,7 @@ def test_precompile_compiles_each_distinct_launch_once_and_says_so():
 
 
 def test_a_failed_compile_is_the_futures_error_and_the_rest_still_compile():
-    cfg = tc.LaunchConfig(num_warps=4, num_stages=1)
+    cfg = lp.LaunchConfig(num_warps=4, num_stages=1)
     bad, good = Warmable(fail=True), Warmable()
     x = torch.empty(16)
     job = precompile([Launch("bwd_chunk", bad, (1,), (x,), {}, cfg),
@@ -137,7 +137,7 @@ def test_a_failed_compile_is_the_futures_error_and_the_rest_still_compile():
 
 class Launchable(Warmable):
     """A kernel whose compile (warmup) waits for ``release``, and whose launches (what
-    triton_common.launch calls) record how many compiles had ended before them."""
+    launching.launch calls) record how many compiles had ended before them."""
 
     def __init__(self):
         super().__init__()
@@ -154,26 +154,26 @@ class Launchable(Warmable):
 def test_a_launch_while_its_kernels_compile_ahead_waits_for_the_compile():
     # Compiled again on the launching thread, one kernel after another, the scan's first step
     # would take as long as the pool's compile of every kernel: the launch waits for the pool.
-    kernel, cfg, x = Launchable(), tc.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
+    kernel, cfg, x = Launchable(), lp.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
     job = precompile([Launch("fwd", kernel, (1,), (x,), {}, cfg)], torch.device("cpu"))
     threading.Timer(0.1, kernel.release.set).start()
-    tc.launch("fwd", kernel, (1,), (x,), {}, cfg)
+    lp.launch("fwd", kernel, (1,), (x,), {}, cfg)
     assert kernel.launched == [1]  # after its compile had ended
-    assert job.done() and not tc._ahead
-    tc.launch("fwd", kernel, (1,), (x,), {}, cfg)  # nothing left to wait for
+    assert job.done() and not lp._ahead
+    lp.launch("fwd", kernel, (1,), (x,), {}, cfg)  # nothing left to wait for
     assert kernel.launched == [1, 1]
 
 
 def test_a_compile_ahead_that_outlasts_the_wait_is_waited_for_no_more(monkeypatch, caplog):
-    kernel, cfg, x = Launchable(), tc.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
-    monkeypatch.setattr(tc, "AHEAD_WAIT_S", 0.05)
+    kernel, cfg, x = Launchable(), lp.LaunchConfig(num_warps=4, num_stages=1), torch.empty(16)
+    monkeypatch.setattr(lp, "AHEAD_WAIT_S", 0.05)
     job = precompile([Launch("fwd", kernel, (1,), (x,), {}, cfg)], torch.device("cpu"))
     try:
-        with caplog.at_level("WARNING", logger=tc.__name__):
-            tc.launch("fwd", kernel, (1,), (x,), {}, cfg)
-        assert kernel.launched == [0] and not job.done() and not tc._ahead
+        with caplog.at_level("WARNING", logger=lp.__name__):
+            lp.launch("fwd", kernel, (1,), (x,), {}, cfg)
+        assert kernel.launched == [0] and not job.done() and not lp._ahead
         assert "compile ahead still runs after 0 s" in caplog.text
-        tc.launch("fwd", kernel, (1,), (x,), {}, cfg)  # given up on: no second wait, no log
+        lp.launch("fwd", kernel, (1,), (x,), {}, cfg)  # given up on: no second wait, no log
         assert kernel.launched == [0, 0] and caplog.text.count("still runs") == 1
     finally:
         kernel.release.set()

@@ -303,7 +303,7 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     over the blocks of p before it is rounded), and so the bias gradients (summed from those
     bf16 partials at one head a program, in fp32 at several), the rest within 1e-3 (the same
     arithmetic, compiled in loops); and two calls are bitwise equal."""
-    from kernels.mamba3 import triton_common as tc
+    from kernels.mamba3 import launching as lp
     from kernels.mamba3 import triton_siso
 
     x = make_inputs(t=1000, g=1)
@@ -317,7 +317,7 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     chunk_cfg = dataclasses.replace(
         plan.configs["bwd_chunk"], hpp=hpp, cpp=cpp, bv=bv, num_stages=2
     )
-    blocked = tc.Plan(plan.chunk, dict(plan.configs, bwd_chunk=chunk_cfg))
+    blocked = lp.Plan(plan.chunk, dict(plan.configs, bwd_chunk=chunk_cfg))
     monkeypatch.setattr(triton_siso, "plan_for", lambda *args: blocked)
     first = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
     second = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]

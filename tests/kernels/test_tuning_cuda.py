@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mamba3 import triton_common as tc
+from kernels.mamba3 import launching as lp
 from kernels.mamba3 import tuning
 
 pytestmark = [
@@ -19,8 +19,8 @@ pytestmark = [
 SHAPE = tuning.Shape(2, 256, 4, 64, 64, 16, 1, torch.bfloat16, reset=True)
 
 
-def _grads(x: dict, plan: tc.Plan) -> list[torch.Tensor]:
-    with tc.forcing_plan(plan):
+def _grads(x: dict, plan: lp.Plan) -> list[torch.Tensor]:
+    with lp.forcing_plan(plan):
         y = tuning._scan(x, plan.chunk)
         y.float().square().sum().backward()
     out = [y.detach().float()] + [v.grad.float().clone() for v in x.values() if v.grad is not None]
@@ -31,15 +31,15 @@ def _grads(x: dict, plan: tc.Plan) -> list[torch.Tensor]:
 
 def test_a_recorded_forward_and_backward_holds_every_kernel():
     x = tuning.scan_inputs(SHAPE, torch.device("cuda"))
-    launches = tuning.record(x, tc.Plan(64, dict(tc.DEFAULT_CONFIGS)))
-    assert set(tc.KERNELS) <= set(launches), sorted(launches)
-    assert launches["bwd_chunk"][4] == tc.DEFAULT_CONFIGS["bwd_chunk"]
+    launches = tuning.record(x, lp.Plan(64, dict(lp.DEFAULT_CONFIGS)))
+    assert set(lp.KERNELS) <= set(launches), sorted(launches)
+    assert launches["bwd_chunk"][4] == lp.DEFAULT_CONFIGS["bwd_chunk"]
 
 
 def test_a_forced_plan_reaches_the_backward_at_every_chunk():
     x = tuning.scan_inputs(SHAPE, torch.device("cuda"))
-    want = _grads(x, tc.Plan(32, dict(tc.DEFAULT_CONFIGS)))
+    want = _grads(x, lp.Plan(32, dict(lp.DEFAULT_CONFIGS)))
     for chunk in (16, 64):
-        got = _grads(x, tc.Plan(chunk, dict(tc.DEFAULT_CONFIGS)))
+        got = _grads(x, lp.Plan(chunk, dict(lp.DEFAULT_CONFIGS)))
         for a, b in zip(got, want, strict=True):
             assert torch.linalg.norm(a - b) <= 5e-2 * torch.linalg.norm(b), chunk  # garbage if not

@@ -207,15 +207,15 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     them, and the kernels run under them; the next smoke test finds them and does not tune. A
     plans file that cannot be written does not stop the launch: check 3 says so, with the fix,
     and the run keeps the defaults."""
+    from kernels.mamba3 import launching as lp
     from kernels.mamba3 import local_plans, tuning
-    from kernels.mamba3 import triton_common as tc
 
-    C = tc.LaunchConfig
+    C = lp.LaunchConfig
     monkeypatch.setattr(tuning, "CANDIDATES", {
         "fwd": [C(4, 2), C(4, 3)], "bwd_dstate": [C(4, 1), C(4, 2)],
         "bwd_chunk": [C(4, 1), C(2, 1)], "bwd_angle": [C(4, 2), C(2, 1)],
     })  # fmt: skip
-    monkeypatch.setattr(tc, "arch_key", lambda device: "sm_untuned")
+    monkeypatch.setattr(lp, "arch_key", lambda device: "sm_untuned")
     plans = tmp_path / "scan_plans.json"
     monkeypatch.setenv(local_plans.PLANS_ENV, str(plans))
     monkeypatch.setattr(local_plans, "_entries", None)  # what this process read: restored after
@@ -239,7 +239,7 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     assert "`m3run tune-scan CONFIG` also tries chunks" in check3, check3
     stored = json.loads(plans.read_text())["plans"]["sm_untuned"]
     # At the one chunk the defaults run, not the three `m3run tune-scan` tries.
-    assert {e["chunk"] for e in stored.values()} == {tc.untuned_plan(cfg.model.chunk_size).chunk}
+    assert {e["chunk"] for e in stored.values()} == {lp.untuned_plan(cfg.model.chunk_size).chunk}
     assert "tuned on this machine" in first.checks[3].message
     second = run_smoke(cfg, echo=None)
     assert second.ok and "tuned for this GPU" not in second.checks[2].message
