@@ -4,7 +4,7 @@ forward+backward, in one process.
 
     python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--chunk 64] [--no-ref] [--kernels] [--doc-len N] [--rounds 3]
-                                   [--shared-angles]
+                                   [--shared-angles] [--host]
                                    [--variant NAME:KERNEL.FIELD=VALUE,... ...] [--row-width W ...]
 
 The official kernel is never a dependency: put a checkout's ``mamba_ssm/`` directory on
@@ -17,7 +17,9 @@ is timed ``--rounds`` times, the impls taking turns, and the median of the round
 official kernel is bound by its host-side launches and moves between rounds). Bandwidth counts
 the bytes of the inputs and outputs once: forward = inputs + y; forward+backward = that + dy +
 one gradient per input. ``--kernels`` splits one forward+backward into GPU kernels
-(torch.profiler, mean of 20 calls) for ours and the official kernel, after the timings.
+(torch.profiler, mean of 20 calls) for ours and the official kernel, after the timings;
+``--host`` the host's time a forward+backward of each (the calls queued behind a second of GPU
+work, so none waits for it): where it reaches the timed fwd+bwd, that timing is the host's.
 ``--variant`` also times ours under the launch plan with some fields changed (``ours[NAME]``), e.g.
 ``c8:bwd_chunk.num_warps=8,bwd_chunk.num_stages=2,bwd_chunk.maxnreg=none,bwd_chunk.cpp=2``,
 so that a candidate is timed beside the official kernel before it goes into the table.
@@ -29,6 +31,7 @@ import argparse
 import importlib.util
 import statistics
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -161,6 +164,32 @@ def time_fwd(fn, x, chunk, row_width: int = 0) -> float:
     return triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
 
 
+def host_ms(fn, x, chunk, reps: int = 30, row_width: int = 0) -> float:
+    """The host's ms a forward+backward: the calls queued behind about a second of GPU work, so
+    that none waits for the GPU and the time is the host's alone (the operators' Python, the
+    launches, the allocations). The fwd+bwd timing hides part of it (do_bench clears the L2
+    cache between calls, and the host runs ahead meanwhile); calls back to back, as a training
+    step makes them, run at the slower of the two."""
+    leaves, kwargs = differentiable(x, row_width)
+    gy = torch.randn_like(x["v"])
+
+    def step():
+        for leaf in leaves.values():
+            leaf.grad = None
+        fn(chunk_size=chunk, **kwargs()).backward(gy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # cycles: about a second, longer than the calls below
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
 def kernel_times(fn, x, chunk, reps: int = 20, row_width: int = 0) -> list[tuple[str, float]]:
     """GPU time per kernel name of one forward+backward, in ms, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -212,6 +241,11 @@ def main() -> None:
         choices=("ours", "official"),
         default=None,
         help="GPU time of each kernel of fwd+bwd (of these impls; none named: both)",
+    )
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="also the host's time a forward+backward of each impl, the GPU kept busy ahead",
     )
     ap.add_argument(
         "--rounds",
@@ -304,6 +338,16 @@ def main() -> None:
             f" {ms_fb:11.3f} {io_fb / ms_fb / 1e6:7.0f} {r_f:>8} {r_fb:>8}"
         )
     print("(fwd/off, f+b/off: time over the official kernel's time, same process)")
+
+    if a.host:
+        print()
+        for name, fn in impls.items():
+            with edited_plan(edits.get(name)):
+                ms = host_ms(fn, x, a.chunk, row_width=widths.get(name, 0))
+            pace = ("back to back the calls run at the host's pace" if ms > fb[name]
+                    else "the GPU's time bounds it")  # fmt: skip
+            print(f"{name}: host {ms:.3f} ms a fwd+bwd against {fb[name]:.3f} ms timed ({pace})",
+                  flush=True)  # fmt: skip
 
     # After the timings, so that no profiler state touches them.
     if a.kernels is not None:
