@@ -379,6 +379,9 @@ class PreemptionWatcher:
         self.timeout_s = timeout_s
         self.on_notice = on_notice
         self.notice: Notice | None = None
+        # Whether a save fits in this provider's notice (the supervisor asks, heartbeat by
+        # heartbeat); the "none" watcher has no notice to fit in.
+        self.save_budget = SaveBudget(provider, poll_s) if provider != "none" else None
         self.base_url: str | None = None
         self._client: _Aws | _Gcp | _Azure | None = None
         if provider != "none":

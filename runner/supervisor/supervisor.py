@@ -136,7 +136,6 @@ class Supervisor:
         self.checkpoints = CheckpointTracker(self.run_dir, self.log, resume)
         self.lr_cut = LrCut(self.checkpoints, settings.nan_lr_factor)
         self._watcher: Any = None  # runner.supervisor.preemption.PreemptionWatcher
-        self._save_budget: Any = None  # runner.supervisor.preemption.SaveBudget, with a watcher
         self._mirror: Any = None  # runner.supervisor.mirror_sync.MirrorSync
         self.state_file = StateFile(
             self.run_dir, prev, settings, config_hash=config_hash, lr_scale=lr_scale, resume=resume
@@ -215,7 +214,7 @@ class Supervisor:
     # ----------------------------------------------------------------- signals & preemption
 
     def _start_preemption_watcher(self) -> None:
-        from runner.supervisor.preemption import SaveBudget, start_watcher
+        from runner.supervisor.preemption import start_watcher
 
         def on_stop(detail: str) -> None:
             self.request_stop(PREEMPTED, detail)
@@ -224,8 +223,6 @@ class Supervisor:
         self._watcher = start_watcher(
             s.preemption_provider, s.metadata_url, s.preemption_poll_s, on_stop, self.log.emit
         )
-        if self._watcher is not None:
-            self._save_budget = SaveBudget(self._watcher.provider, self._watcher.poll_s)
 
     def _start_mirror(self) -> int | None:
         """A mirror that cannot be read ends the launch (exit 78) rather than silently
@@ -383,7 +380,8 @@ class Supervisor:
             hb = self.hang.read()
             if hb is not None and self.hang.observe(hb) and hb.vram_bytes is not None:
                 self.vram.note(hb.vram_bytes, "heartbeat")
-            why = self._save_budget.check(hb) if self._save_budget else None
+            budget = self._watcher.save_budget if self._watcher is not None else None
+            why = budget.check(hb) if budget is not None else None
             if why is not None:
                 self.log.emit("preemption_budget", reason=why, level="warning")
             if not stop.sent:
