@@ -191,7 +191,15 @@ def test_torch_compile_traces_a_local_plan_without_a_graph_break(plans, monkeypa
 
     torch._dynamo.reset()
     try:
-        out = torch.compile(scaled, backend="eager", fullgraph=True)(torch.ones(2))
+        compiled = torch.compile(scaled, backend="eager", fullgraph=True)
+        out = compiled(torch.ones(2))
+        # Eager calls keep the plan they looked up (the scan's operators, between compiled
+        # calls); the compiled code's guards must not see that, or every block would compile
+        # again at its next call.
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert lp.plan_for(CUDA, 64, 64, 64, torch.bfloat16).chunk == 16
+        assert compiled(torch.ones(2)).tolist() == [16.0, 16.0]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     finally:
         torch._dynamo.reset()
     assert out.tolist() == [16.0, 16.0]
