@@ -164,12 +164,9 @@ def time_fwd(fn, x, chunk, row_width: int = 0) -> float:
     return triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
 
 
-def host_ms(fn, x, chunk, reps: int = 30, row_width: int = 0) -> float:
-    """The host's ms a forward+backward: the calls queued behind about a second of GPU work, so
-    that none waits for the GPU and the time is the host's alone (the operators' Python, the
-    launches, the allocations). The fwd+bwd timing hides part of it (do_bench clears the L2
-    cache between calls, and the host runs ahead meanwhile); calls back to back, as a training
-    step makes them, run at the slower of the two."""
+def warmed_step(fn, x, chunk, row_width: int = 0):
+    """One forward+backward of ``fn`` on fresh leaves, as a call (gradients dropped first), run
+    three times and synchronised: compiled, its memory in the allocator's cache."""
     leaves, kwargs = differentiable(x, row_width)
     gy = torch.randn_like(x["v"])
 
@@ -181,6 +178,16 @@ def host_ms(fn, x, chunk, reps: int = 30, row_width: int = 0) -> float:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def host_ms(fn, x, chunk, reps: int = 30, row_width: int = 0) -> float:
+    """The host's ms a forward+backward: the calls queued behind about a second of GPU work, so
+    that none waits for the GPU and the time is the host's alone (the operators' Python, the
+    launches, the allocations). The fwd+bwd timing hides part of it (do_bench clears the L2
+    cache between calls, and the host runs ahead meanwhile); calls back to back, as a training
+    step makes them, run at the slower of the two."""
+    step = warmed_step(fn, x, chunk, row_width)
     torch.cuda._sleep(2_000_000_000)  # cycles: about a second, longer than the calls below
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -194,17 +201,7 @@ def kernel_times(fn, x, chunk, reps: int = 20, row_width: int = 0) -> list[tuple
     """GPU time per kernel name of one forward+backward, in ms, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    leaves, kwargs = differentiable(x, row_width)
-    gy = torch.randn_like(x["v"])
-
-    def step():
-        for leaf in leaves.values():
-            leaf.grad = None
-        fn(chunk_size=chunk, **kwargs()).backward(gy)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = warmed_step(fn, x, chunk, row_width)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             step()
