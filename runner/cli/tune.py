@@ -86,6 +86,7 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
     from kernels.mamba3 import triton_common as tc
     from kernels.mamba3 import tuning
     from runner.worker.build import scan_shape
+    from runner.worker.smoke import first_line
 
     m = cfg.model
     bad = sorted(set(chunks) - set(tc.CHUNK_SIZES))
@@ -116,9 +117,8 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
             1,
         ) from None
     except Exception as e:  # a GPU error: the process's CUDA context is lost, nothing to store
-        first = (str(e).strip().splitlines() or [""])[0]
         raise fail(
-            f"m3run tune-scan: the tune failed ({type(e).__name__}: {first}); nothing was "
+            f"m3run tune-scan: the tune failed ({first_line(e)}); nothing was "
             "stored, so the scan keeps the plans it had. Fix: run `m3run health`, then try again.",
             1,
         ) from None

@@ -186,7 +186,7 @@ class _Smoke:
             if self.cfg.train.compile and _is_compile_error(e):
                 cause = getattr(e, "inner_exception", None) or e  # what a backend raised
                 raise CheckFailed(
-                    f"torch.compile of the training step failed ({_first_line(cause)}). "
+                    f"torch.compile of the training step failed ({first_line(cause)}). "
                     "Fix: set train.compile=false to train without it, or repair what it names "
                     "(the worker would fail the same way at its first step)"
                 ) from e
@@ -244,7 +244,7 @@ class _Smoke:
             return f"; the scan's launch plans were tuned ({tuning.summary(e.tuned)}) but {e}"
         except Exception as e:
             raise CheckFailed(
-                f"tuning the scan's launch plans failed ({_first_line(e)}). Fix: "
+                f"tuning the scan's launch plans failed ({first_line(e)}). Fix: "
                 "set supervisor.tune_scan=false to run the default plans, or run `m3run "
                 "tune-scan CONFIG` alone to see the candidates"
             ) from e
@@ -402,8 +402,9 @@ class _Smoke:
         return msg
 
 
-def _first_line(e: BaseException) -> str:
-    """An error's type and the first line of its message, for a check's one-line verdict."""
+def first_line(e: BaseException) -> str:
+    """An error's type and the first line of its message, for a one-line verdict (a check's,
+    or `m3run tune-scan`'s)."""
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
