@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from runner.config import load_config
 from runner.data.mixture import train_loader
+from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE
 from runner.worker.build import build_model, compile_for_training
 from runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 
@@ -77,6 +78,33 @@ def test_a_checkpoint_round_trip_that_fails_on_its_thread_fails_check_7(corpus, 
     assert result.failed_check_message.startswith("check 7 (checkpoint save/verify/load) failed")
     for name in ("model forward/backward", "one optimizer step lowers the loss"):
         assert by_name[name].status == "ok", by_name[name]
+
+
+@pytest.mark.parametrize("data_ok", [True, False])
+def test_the_smoke_child_leaves_its_verdict_its_output_and_its_exit_code(corpus, tmp_path, data_ok):
+    # As the supervisor runs it: the child skips the interpreter's teardown once the verdict is
+    # written, so nothing it printed may be lost and its exit code must still say pass or fail.
+    train = corpus / "train" if data_ok else tmp_path / "absent" / "train"
+    config = tmp_path / "config.yaml"
+    cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **{"data.train_path": str(train)}))
+    config.write_text(cfg.to_yaml())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    child = subprocess.run(
+        [sys.executable, "-m", "runner.worker.smoke", str(config), "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    verdict = json.loads((run_dir / SMOKE_FILE).read_text())
+    lines = child.stdout.splitlines()
+    numbers = [f"  [{n}/{len(CHECKS)}]" for n in range(1, len(CHECKS) + 1)]
+    assert [line[: len(numbers[0])] for line in lines[: len(CHECKS)]] == numbers, child.stdout
+    if data_ok:
+        assert child.returncode == EXIT_OK and verdict["ok"], child.stdout + child.stderr
+        assert lines[-1] == "smoke: ok: 6 checks passed, 2 skipped", child.stdout
+    else:
+        assert child.returncode == EXIT_CONFIG and not verdict["ok"], child.stdout + child.stderr
+        assert lines[-1].startswith("smoke: FAILED: check 2 (data readable) failed"), lines[-1]
+        assert str(train) in verdict["message"]
 
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
