@@ -24,8 +24,6 @@ from kernels.mamba3 import launching as lp
 from kernels.mamba3 import triton_common as tc
 from kernels.mamba3 import tuning
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def _table_configs(arch: str, key: str) -> dict[str, lp.LaunchConfig]:
     """The checked-in table's configurations for this GPU and shape key, the defaults for any
@@ -85,14 +83,14 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=lp.KERNELS, default=list(lp.KERNELS),
                     help="tune these kernels; the others keep this GPU's table entry at each "
                     "chunk (the defaults where it has none)")  # fmt: skip
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(lp.DOT_DTYPES), default="bf16")
     ap.add_argument("--no-reset", action="store_true",
                     help="no packed documents (by default a reset every 512 tokens, as the "
                     "recipes train with data.reset_at_eos)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
     a = ap.parse_args()
 
-    dtype = _DTYPES[a.dtype]
+    dtype = lp.DOT_DTYPES[a.dtype]
     shape = tuning.Shape(a.b, a.t, a.h, a.p, a.n, a.s, a.g, dtype, reset=not a.no_reset)
     device = torch.device("cuda", torch.cuda.current_device())
     arch = lp.arch_key(device)

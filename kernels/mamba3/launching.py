@@ -94,11 +94,24 @@ DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
 DEFAULT_CHUNK = 32
 
 
+# The dot dtypes the kernels take, by the name the launch table's keys give them.
+DOT_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DOT_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The launch table's name of a dot dtype (KeyError for one the kernels do not take)."""
+    return _DTYPE_NAMES[dtype]
+
+
 def shape_key(tiles: Tiles, dtype: torch.dtype) -> str:
     """The launch table's key of a call: tile sizes and the dot dtype (fp32 tiles take twice the
     registers)."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    return f"c{tiles.BT}-p{tiles.BP}-n{tiles.BN}-{name}"
+    return f"c{tiles.BT}-p{tiles.BP}-n{tiles.BN}-{dtype_name(dtype)}"
 
 
 def arch_key(device: torch.device) -> str:

@@ -189,7 +189,6 @@ def table_plans() -> list[tuple[str, dict, lp.Plan]]:
     of the launch table, as (name, shape, plan) with the shape arguments of :func:`report`."""
     from .launch_table import TABLE
 
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     bench = dict(p=64, n=64, dtype=torch.bfloat16)
     defaults = dict(lp.DEFAULT_CONFIGS)
     out = [("defaults", bench, lp.Plan(lp.DEFAULT_CHUNK, defaults))]
@@ -199,7 +198,7 @@ def table_plans() -> list[tuple[str, dict, lp.Plan]]:
             _, p, n, dtype = key.split("-")
             configs = lp.entry_configs(entry)
             plan = lp.Plan(int(entry.get("chunk", 64)), configs)
-            shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=dtypes[dtype])
+            shape = dict(p=int(p[1:]), n=int(n[1:]), dtype=lp.DOT_DTYPES[dtype])
             ident = (plan.chunk, tuple(sorted(configs.items())), p, n, dtype)
             if ident not in seen:
                 seen.add(ident)

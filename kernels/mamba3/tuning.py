@@ -95,7 +95,7 @@ class Shape:
         return [lp.shape_key(tc.Tiles.of(self.p, self.n, c), self.dtype) for c in tc.CHUNK_SIZES]
 
     def describe(self) -> str:
-        name = lp.shape_key(tc.Tiles.of(self.p, self.n, 16), self.dtype).split("-")[-1]
+        name = lp.dtype_name(self.dtype)
         return (f"b{self.b} t{self.t} h{self.h} p{self.p} n{self.n} s{self.s} g{self.g} {name}"
                 f"{', resets' if self.reset else ''}")  # fmt: skip
 
