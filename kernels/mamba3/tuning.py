@@ -263,7 +263,7 @@ class Tuned:
     seconds: float
 
 
-def tune_shape(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
+def tune_shape(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
                names=lp.KERNELS, start_for=None, baseline: lp.Plan | None = None, log=print,
                timer: Timer = cuda_timer, candidates=None) -> Tuned:  # fmt: skip
     """Tune every kernel of ``names`` at each chunk (the others, and the starting point, under
@@ -311,7 +311,7 @@ def summary(t: Tuned) -> str:
     )
 
 
-def tune_and_store(shape: Shape, device: torch.device, *, chunks=(16, 32, 64),
+def tune_and_store(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
                    baseline: lp.Plan | None = None, log=print, path: Path | None = None,
                    **search) -> tuple[Tuned, Path]:  # fmt: skip
     """Tune ``shape`` on ``device`` (:func:`tune_shape`, which takes ``search``'s timer and

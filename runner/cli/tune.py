@@ -76,10 +76,10 @@ def tune_scan(
             "note: this config runs the PyTorch scan (model.scan_backend=pytorch); the "
             "plans apply to runs on the Triton scan"
         )
-    _tune(cfg, device, chunks or [16, 32, 64], plans)
+    _tune(cfg, device, chunks, plans)
 
 
-def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
+def _tune(cfg, device, chunks: list[int] | None, plans: Path | None) -> None:
     import torch
 
     from kernels.mamba3 import launching as lp
@@ -89,6 +89,7 @@ def _tune(cfg, device, chunks: list[int], plans: Path | None) -> None:
     from runner.worker.smoke import first_line
 
     m = cfg.model
+    chunks = chunks or list(tc.CHUNK_SIZES)
     bad = sorted(set(chunks) - set(tc.CHUNK_SIZES))
     if bad:
         raise fail(f"m3run tune-scan: --chunk takes {tc.CHUNK_SIZES}, got {bad}", EXIT_CONFIG)
