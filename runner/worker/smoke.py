@@ -229,10 +229,9 @@ class _Smoke:
         from kernels.mamba3 import triton_common as tc
         from kernels.mamba3 import tuning
 
-        dtype = self.amp or torch.float32
-        if lp.has_tuned_plan(self.device, m.headdim, m.d_state, m.chunk_size, dtype):
-            return ""
         shape = scan_shape(c, self.device)
+        if lp.has_tuned_plan(self.device, shape.p, shape.n, m.chunk_size, shape.dtype):
+            return ""
         untuned = lp.untuned_plan(m.chunk_size)
         self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
                   f"{shape.describe()}, chunk {untuned.chunk} (once per machine, under a "
