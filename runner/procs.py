@@ -1,5 +1,6 @@
 """Process mechanics: spawn a child in its own session with its output in a log, signal its
-group, terminate-then-kill, tell a live pid from a reused one, follow a log. Torch-free.
+group, terminate-then-kill, tell a live pid from a reused one, follow a log, and a child's quick
+exit. Torch-free.
 
 Every child m3run starts (the worker, torchrun, the smoke test, the NVML probe, a detached
 supervisor) leads its own session, so one killpg reaches it and everything it started (ranks,
@@ -13,10 +14,11 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -132,6 +134,20 @@ def spawn_logged(
             close_fds=True,
         )
     return proc, offset
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` once its output is flushed, skipping the interpreter's
+    teardown. For the children the supervisor waits on (the worker, a torchrun rank, the smoke
+    test), called when everything they owe is on disk: the teardown frees the model's GPU memory
+    tensor by tensor and joins inductor's compile workers, 2.3–2.7 s of a 434m process on an
+    H200 host (docs/benchmarks.md, 2026-12-04 (sixth)), which the supervisor would wait out
+    before a restart, or before it mirrors the last checkpoint of a preempted VM. Inductor's
+    workers end on their own once their parent is gone, and the supervisor kills what is left
+    of the child's group after its exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def command_line(argv: Sequence[str]) -> str:

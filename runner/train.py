@@ -6,11 +6,12 @@ the `run` that `m3run train` calls.
 
 from __future__ import annotations
 
-import sys
-
+from runner.procs import exit_now
 from runner.worker.main import main, run
 
 __all__ = ["main", "run"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run() returned: checkpoints written, files closed, the run dir released. A crash raises
+    # past this and exits through the interpreter, traceback printed.
+    exit_now(main())

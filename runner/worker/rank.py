@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from runner.files import atomic_write_json
+from runner.procs import exit_now
 from runner.protocol import WorkerExit, worker_exit_file
 
 from .main import main as worker_main
@@ -35,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the rank's record is written: no teardown for torchrun to wait out

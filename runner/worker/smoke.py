@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +46,7 @@ from runner.data.loader import check_vocab
 from runner.data.manifest import DataError, load_manifest
 from runner.data.mixture import train_loader
 from runner.files import atomic_write_json
+from runner.procs import exit_now
 from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
 
 from .build import (
@@ -551,12 +550,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The verdict is in smoke.json and the output is flushed. What is left is the interpreter's
-    # teardown (the model's GPU memory freed tensor by tensor, inductor's compile workers
-    # joined), which the supervisor waits out before the worker starts: 2.3–2.7 s of a launch
-    # on an H200 host (docs/benchmarks.md, 2026-12-04 (sixth)). Inductor's workers exit on
-    # their own once their parent is gone.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())  # the verdict is in smoke.json: the supervisor need not wait out a teardown

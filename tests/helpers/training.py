@@ -61,4 +61,7 @@ def sigterm_worker_at(run_dir: Path, overrides: list[str], step: int = 12) -> in
     assert proc.returncode == 75, out
     stopped_at = latest_complete(run_dir).step
     assert step <= stopped_at < 30, out
+    # Its last line, flushed before the worker's quick exit, names the checkpoint it left.
+    last = out.splitlines()[-1]
+    assert last == f"stopped at step {stopped_at}; checkpoint step {stopped_at} is complete", out
     return stopped_at

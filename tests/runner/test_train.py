@@ -42,6 +42,8 @@ def finished(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     ov = tiny_run_overrides(corpus)
     done = run_worker(run_dir, ov)
     assert done.returncode == 0, done.stderr
+    # The worker leaves with os._exit after run(): its last line is flushed before.
+    assert done.stdout.splitlines()[-1].startswith("finished: 30 steps, "), done.stdout
     assert [c.step for c in list_checkpoints(run_dir)] == [20, 25, 30]
     return run_dir, ov
 
