@@ -49,6 +49,11 @@ class Launch:
         return (self.kernel, tuple(sorted(self.constexprs.items())), self.cfg,
                 tuple(_specialised(a) for a in self.args))  # fmt: skip
 
+    def run(self, cfg: lp.LaunchConfig | None = None) -> None:
+        """Launch it again on its arguments, under ``cfg`` where given (the tuner's candidate)."""
+        cfg = cfg or self.cfg
+        self.kernel[self.grid](*self.args, **self.constexprs, **cfg.launch_kwargs())
+
 
 def _specialised(arg) -> object:
     if isinstance(arg, torch.Tensor):

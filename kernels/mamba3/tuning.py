@@ -143,14 +143,15 @@ def forward_backward(x: dict, plan: lp.Plan) -> None:
         val.grad = None
 
 
-def record(x: dict, plan: lp.Plan) -> dict[str, tuple]:
+def record(x: dict, plan: lp.Plan) -> dict[str, Launch]:
     """Every launch of one forward+backward under ``plan`` (executed), by kernel name, kept for
-    re-timing: (kernel, grid, args, constexprs, config)."""
-    launches = {}
+    re-timing."""
+    launches: dict[str, Launch] = {}
 
-    def rec(name, kern, grid, args, ce, cfg):
-        kern[grid](*args, **ce, **cfg.launch_kwargs())
-        launches[name] = (kern, grid, args, ce, cfg)
+    def rec(*made):
+        launch = Launch(*made)
+        launch.run()
+        launches[launch.name] = launch
 
     with lp.recording_everywhere(rec):
         forward_backward(x, plan)
@@ -228,25 +229,24 @@ def tune(x: dict, chunk: int, names=lp.KERNELS, start: dict | None = None, log=p
     return total, best
 
 
-def _timed_call(name: str, launches: dict, cfg: lp.LaunchConfig,
+def _timed_call(name: str, launches: dict[str, Launch], cfg: lp.LaunchConfig,
                 follow: bool = True) -> tuple[Callable, str]:  # fmt: skip
     """The kernel's launch under ``cfg`` on its recorded arguments, with what must follow it
     (``follow``: its follower too)."""
-    kern, grid, args, ce, _ = launches[name]
+    launch = launches[name]
     follower = launches.get(FOLLOWERS.get(name, "")) if follow else None
     blocks = None  # the angle kernel's head blocks (shared angles, hb > 1) are summed after it
     if name == "bwd_angle":
-        arg = dict(zip(kern.arg_names, args, strict=False))
+        arg = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
         if arg["s_ah"] == 0 and arg["dth"].shape[2] > 1:
             blocks = arg["dth"]
 
     def call():
-        kern[grid](*args, **ce, **cfg.launch_kwargs())
+        launch.run(cfg)
         if blocks is not None:
             blocks.sum(2, keepdim=True)
         if follower is not None:
-            f_kern, f_grid, f_args, f_ce, f_cfg = follower
-            f_kern[f_grid](*f_args, **f_ce, **f_cfg.launch_kwargs())
+            follower.run()
 
     return call, (f" (with {FOLLOWERS[name]})" if follower is not None else "")
 
@@ -299,7 +299,7 @@ def kernels_ms(x: dict, plan: lp.Plan, timer: Timer = cuda_timer) -> float:
     host's time where it is the longer (1.7-2.5 ms on H200 hosts against the kernels' 1.88 ms,
     docs/benchmarks.md, 2026-12-04 (fifth)) and say less of the plans than they differ by."""
     launches = record(x, plan)
-    return sum(timer(_timed_call(name, launches, launch[4], follow=False)[0])
+    return sum(timer(_timed_call(name, launches, launch.cfg, follow=False)[0])
                for name, launch in launches.items())  # fmt: skip
 
 

@@ -33,7 +33,7 @@ def test_a_recorded_forward_and_backward_holds_every_kernel():
     x = tuning.scan_inputs(SHAPE, torch.device("cuda"))
     launches = tuning.record(x, lp.Plan(64, dict(lp.DEFAULT_CONFIGS)))
     assert set(lp.KERNELS) <= set(launches), sorted(launches)
-    assert launches["bwd_chunk"][4] == lp.DEFAULT_CONFIGS["bwd_chunk"]
+    assert launches["bwd_chunk"].cfg == lp.DEFAULT_CONFIGS["bwd_chunk"]
 
 
 def test_a_forced_plan_reaches_the_backward_at_every_chunk():
