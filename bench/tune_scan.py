@@ -79,7 +79,8 @@ def main() -> None:
     for name, default in (("b", 16), ("t", 2048), ("h", 32), ("p", 64), ("n", 64), ("s", 16),
                           ("g", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--chunk", type=int, nargs="+", default=[64, 32, 16], help="chunks to try")
+    ap.add_argument("--chunk", type=int, nargs="+", choices=tc.CHUNK_SIZES,
+                    default=list(tc.CHUNK_SIZES), help="chunks to try")  # fmt: skip
     ap.add_argument("--only", nargs="+", choices=lp.KERNELS, default=list(lp.KERNELS),
                     help="tune these kernels; the others keep this GPU's table entry at each "
                     "chunk (the defaults where it has none)")  # fmt: skip

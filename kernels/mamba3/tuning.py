@@ -273,9 +273,9 @@ def tune_shape(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
     t0 = time.perf_counter()
     candidates = CANDIDATES if candidates is None else candidates
     start_for = start_for or (lambda chunk: dict(lp.DEFAULT_CONFIGS))
-    chunks = [c for c in chunks if c in tc.CHUNK_SIZES]
-    if not chunks:
-        raise ValueError(f"chunks must be among {tc.CHUNK_SIZES}")
+    bad = sorted(set(chunks) - set(tc.CHUNK_SIZES))
+    if bad or not chunks:
+        raise ValueError(f"chunks must be among {tc.CHUNK_SIZES}, got {list(chunks)}")
     x = scan_inputs(shape, device)
     if not tc.interpreting():
         compile_candidates(shape, device, _plans(chunks, names, start_for, candidates), log)

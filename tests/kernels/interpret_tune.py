@@ -1,9 +1,10 @@
 """Run by test_triton_cpu.py in the Triton interpreter (TRITON_INTERPRET=1, set before Triton
 loads): the launch-plan tuner (kernels/mamba3/tuning.py) on a small shape with two candidates a
-kernel, timed by the wall clock. A plans file that cannot be written is an error that names it
-and the fix, holding the plan; what it keeps must be one of the candidates, stored in a plans
-file and read back, and a scan under the tuned plan must give what it gives under the defaults
-(the plan changes launches, not the function). Prints "ok" at the end."""
+kernel, timed by the wall clock. A chunk the kernels do not take is refused. A plans file that
+cannot be written is an error that names it and the fix, holding the plan; what it keeps must
+be one of the candidates, stored in a plans file and read back, and a scan under the tuned plan
+must give what it gives under the defaults (the plan changes launches, not the function).
+Prints "ok" at the end."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ def outputs(x: dict, plan: lp.Plan) -> list[torch.Tensor]:
 
 def main() -> None:
     shape = tuning.Shape(1, 64, 4, 32, 16, 4, 1, torch.float32, reset=True)
+    try:  # a chunk the kernels do not take is an error, never silently dropped
+        tuning.tune_shape(shape, torch.device("cpu"), chunks=[16, 48], timer=wall_ms)
+    except ValueError as e:
+        assert str(e) == "chunks must be among (16, 32, 64), got [16, 48]", e
+    else:
+        raise AssertionError("chunk 48 was tuned")
     lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         blocker = Path(tmp) / "a-file"  # a plans file under a file: it cannot be written
