@@ -9,6 +9,7 @@ shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import launching as lp
+from .triton_precompile import Launch
 
 # Per-architecture limits a launch must fit (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in bytes per block
@@ -134,9 +136,10 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: lp.LaunchConfig, 
 def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
                     cfgs: dict[str, lp.LaunchConfig] | None = None,
                     per_head_qk: bool = False):  # fmt: skip
-    """Run the forward and backward launchers on meta tensors; returns every launch they make as
-    (name, kernel, args, constexprs, cfg), with d, z, an initial state and resets present (the
-    largest variant of each kernel); q, k in g groups, or with ``per_head_qk`` one a head."""
+    """Run the forward and backward launchers on meta tensors; returns every launch they make
+    (:class:`~kernels.mamba3.triton_precompile.Launch`), with d, z, an initial state and resets
+    present (the largest variant of each kernel); q, k in g groups, or with ``per_head_qk`` one
+    a head."""
     g = h if per_head_qk else g
     from .triton_bwd import siso_bwd
     from .triton_fwd import siso_fwd
@@ -152,9 +155,8 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     phi0, g0 = torch.empty(b, h, s, **m), torch.empty(b, h, p, n, **m)
     nc = -(-t // chunk_size)
     seg = torch.empty(b, nc * chunk_size, dtype=torch.int32, **m)
-    launches = []
-    lp.set_recorder(lambda name, kern, grid, args, ce, cfg: launches.append((name, kern, args, ce,
-                                                                              cfg)))  # fmt: skip
+    launches: list[Launch] = []
+    lp.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
         _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
                                          phi0, g0, seg, chunk_size, True,
@@ -173,14 +175,14 @@ def report(arch: int, plan: lp.Plan, **shape) -> list[KernelReport]:
     forms the bias partials itself, the head sum's work with grouped q, k)."""
     out = []
     launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk, **shape)
-    launches += [(f"{name}/h", *rest)
-                 for name, *rest in record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
-                                                    per_head_qk=True, **shape)
-                 if name == "bwd_chunk"]  # fmt: skip
-    for name, kern, args, ce, cfg in launches:
-        ck = compile_kernel(kern, args, ce, cfg, arch)
+    launches += [dataclasses.replace(launch, name=f"{launch.name}/h")
+                 for launch in record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
+                                               per_head_qk=True, **shape)
+                 if launch.name == "bwd_chunk"]  # fmt: skip
+    for launch in launches:
+        ck = compile_kernel(launch.kernel, launch.args, launch.constexprs, launch.cfg, arch)
         res = _ptxas(ck.asm["ptx"], arch)
-        out.append(KernelReport(name, arch, cfg, shared=ck.metadata.shared, **res))
+        out.append(KernelReport(launch.name, arch, launch.cfg, shared=ck.metadata.shared, **res))
     return out
 
 
