@@ -295,9 +295,8 @@ class _Smoke:
             return ""
         from kernels.mamba3.launching import plan_source
 
-        m = self.cfg.model
-        dtype = self.amp or torch.float32
-        source = plan_source(self.device, m.headdim, m.d_state, m.chunk_size, dtype)
+        shape = scan_shape(self.cfg, self.device)  # the shape check 3's tune took
+        source = plan_source(self.device, shape.p, shape.n, self.cfg.model.chunk_size, shape.dtype)
         return f"; launch plans: {source}"
 
     # 5
