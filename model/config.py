@@ -37,9 +37,14 @@ class ModelConfig(BaseModel):
     dt_min: float = Field(1e-3, gt=0, description="Lower end of the log-uniform Δ₀ init.")
     dt_max: float = Field(1e-1, gt=0, description="Upper end of the log-uniform Δ₀ init.")
     dt_init_floor: float = Field(1e-4, gt=0, description="Floor applied to the sampled Δ₀.")
-    A_floor: float = Field(
-        1e-4, gt=0, description="A = min(-softplus(dd_A), -A_floor): keeps decay."
+    A_activation: Literal["heavy_tail", "softplus"] = Field(
+        "heavy_tail",
+        description="f in A = min(-f(dd_A), -A_floor): heavy_tail (f(x) = 1 + x for x ≥ 0, "
+        "1/(1 - x) below; the official Mamba-3 module's since mamba_ssm PR #962, stable at high "
+        "learning rates, and it learns faster per token) or softplus (the paper's form; runs "
+        "frozen before this key keep it).",
     )
+    A_floor: float = Field(1e-4, gt=0, description="A = min(-f(dd_A), -A_floor): keeps decay.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon (blocks and B/C norms).")
     init_std: float = Field(
         0.02, gt=0, description="Std of the normal init of embeddings and linears."

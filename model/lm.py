@@ -110,7 +110,8 @@ class Mamba3LM(nn.Module):
 
         path = Path(path)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        model = cls(ModelConfig(**config["model"]))
+        # An export made before model.A_activation existed trained with softplus.
+        model = cls(ModelConfig(**{"A_activation": "softplus", **config["model"]}))
         model.load_state_dict(load_file(str(path / "model.safetensors")))
         return model.eval()
 

@@ -26,6 +26,21 @@ def _f32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def heavy_tail(x: Tensor) -> Tensor:
+    """f(x) = 1 + x for x ≥ 0 and 1/(1 − x) below: positive, with f and f' continuous at 0
+    (both 1). Against softplus, A's magnitude grows linearly rather than exponentially in
+    dd_A's positive half, and decays as 1/|x| rather than exp(x) in the negative half, so a
+    head keeps a usable gradient towards both long and short memories (the official Mamba-3
+    module's activation since mamba_ssm PR #962, adopted there for stability at high learning
+    rates). The negative branch reads x clamped at 0, so that where x ≥ 0 selects the other
+    branch its gradient is 0, never 0·∞ at x = 1."""
+    return torch.where(x >= 0, 1 + x, torch.reciprocal(1 - x.clamp_max(0)))
+
+
+# model.A_activation: the f of A = min(−f(dd_A), −A_floor).
+A_ACTIVATIONS = {"heavy_tail": heavy_tail, "softplus": F.softplus}
+
+
 class Mamba3Mixer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -40,6 +55,7 @@ class Mamba3Mixer(nn.Module):
             S,
         )
         self.ngroups = cfg.ngroups
+        self.A_activation = A_ACTIVATIONS[cfg.A_activation]
         G = cfg.ngroups
         # order: [z (E), x (E), B (G·N), C (G·N), dd_dt (H), dd_A (H), trap (H), angles (S)]
         self.split_sizes = [E, E, G * N, G * N, H, H, H, S]
@@ -89,7 +105,7 @@ class Mamba3Mixer(nn.Module):
         zv = zx.view(b, t, 2, H, P)
         # Δ and A in fp32: they enter exp() and a cumulative sum.
         dt = F.softplus(_f32(dd_dt) + self.dt_bias)  # (b, t, h)
-        A = torch.clamp(-F.softplus(_f32(dd_A)), max=-self.cfg.A_floor)
+        A = torch.clamp(-self.A_activation(_f32(dd_A)), max=-self.cfg.A_floor)
         adt = A * dt
         eps = self.cfg.norm_eps
         B = F.rms_norm(_f32(B).view(b, t, G, N), (N,), _f32(self.B_norm_weight), eps)

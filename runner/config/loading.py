@@ -90,9 +90,10 @@ def config_hash(cfg: RunConfig) -> str:
 # Keys added after runs were frozen
 
 # Keys the schema gained after runs were made, each with the value that keeps such a run's
-# behaviour (a new run's default may differ: data.reset_at_eos is on for new runs, and
-# train.compile_scope compiles blocks, not the whole model). A run dir's config.yaml is the
-# resolved dump of every key, so one that lacks a key here was frozen before the key existed:
+# behaviour (a new run's default may differ: data.reset_at_eos is on for new runs,
+# train.compile_scope compiles blocks, not the whole model, and model.A_activation is
+# heavy_tail). A run dir's config.yaml is the resolved dump of every key, so one that lacks a
+# key here was frozen before the key existed:
 # `load_frozen_config` reads it at this value, `keep_legacy_values` keeps it on a relaunch that
 # leaves the key unset, and `config_hash` leaves the key out at this value.
 LEGACY_VALUES: dict[str, bool | str] = {
@@ -101,6 +102,7 @@ LEGACY_VALUES: dict[str, bool | str] = {
     "train.deterministic": False,
     "supervisor.warm_spare": False,
     "supervisor.tune_scan": False,
+    "model.A_activation": "softplus",
 }
 
 

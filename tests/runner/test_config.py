@@ -438,6 +438,7 @@ LEGACY = [
     ("train", "compile_scope", "model", "blocks"),
     ("train", "deterministic", False, False),
     ("supervisor", "tune_scan", False, True),
+    ("model", "A_activation", "softplus", "heavy_tail"),
 ]
 
 
