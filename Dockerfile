@@ -52,7 +52,7 @@ RUN python -c "import torch, triton; print(f'torch=={torch.__version__}')" > /tm
 COPY . /tmp/m3run-src
 RUN pip install --no-cache-dir --constraint /tmp/keep-torch.txt \
         "/tmp/m3run-src[mirror,wandb,tensorboard]" \
- && python -c "import torch, triton, runner.cli; assert torch.version.cuda, 'base image torch is not a CUDA build'" \
+ && python -c "import torch, triton, m3run.runner.cli; assert torch.version.cuda, 'base image torch is not a CUDA build'" \
  && cp -r /tmp/m3run-src/configs /opt/m3run/configs \
  && install -m 0755 /tmp/m3run-src/docker/entrypoint /usr/local/bin/m3run-entrypoint \
  && install -m 0755 /tmp/m3run-src/docker/prepare-a100-data /usr/local/bin/m3run-prepare-a100-data \

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: install
-	$(PY) -m runner.demo
+	$(PY) -m m3run.runner.demo
 
 # Two test processes: on a 2-core machine the suite takes ~8 minutes instead of ~11. A module's
 # tests stay in one process (--dist loadscope), so module-scoped runs are made once.

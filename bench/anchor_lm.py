@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from m3run.model import ModelConfig
+from m3run.model.loss import linear_cross_entropy
 from step_probes import sync, timed_steps
 from torch import Tensor, nn
-
-from model import ModelConfig
-from model.loss import linear_cross_entropy
 
 # Python packages the official Mamba-3 module imports beyond torch.
 OFFICIAL_NEEDS = ("triton", "einops")
@@ -190,8 +189,8 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
     """Train AnchorLM with `cfg`'s train and data settings the way Trainer.train_step does;
     the first step (compilation, the official kernels' autotuning) is timed on its own, then
     `warmup - 1` more steps, then `steps` timed steps. `impl` names the result's mixer."""
-    from runner.data.mixture import train_loader
-    from runner.worker.build import autocast, build_optimizer, resolve_precision
+    from m3run.runner.data.mixture import train_loader
+    from m3run.runner.worker.build import autocast, build_optimizer, resolve_precision
 
     t = cfg.train
     torch.manual_seed(t.seed)

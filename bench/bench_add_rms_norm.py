@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import m3run.kernels.add_rms_norm as op
 import torch
-
-import kernels.add_rms_norm as op
 
 
 def time_ms(fn, reps: int = 50) -> float:

@@ -37,12 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from model import Mamba3LM  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.lm import param_groups  # noqa: E402
-from runner.checkpoint import io as ckpt  # noqa: E402
-from runner.checkpoint.layout import apply_retention  # noqa: E402
-from runner.protocol import CHECKPOINTS_DIR  # noqa: E402
+from m3run.model import Mamba3LM  # noqa: E402
+from m3run.model.config import ModelConfig  # noqa: E402
+from m3run.model.lm import param_groups  # noqa: E402
+from m3run.runner.checkpoint import io as ckpt  # noqa: E402
+from m3run.runner.checkpoint.layout import apply_retention  # noqa: E402
+from m3run.runner.protocol import CHECKPOINTS_DIR  # noqa: E402
 
 KEEP_LAST = 2
 

@@ -2,11 +2,11 @@
 
     python bench/bench_ddp.py --nproc 2 [--preset 434m] [--steps 8] [--compile]
 
-Runs `python -m runner.train` (1 process) and `torchrun --nproc-per-node N -m runner.train`
-with the same global batch (accumulation adjusts), reads tokens/s from each run's
-metrics.jsonl (the mean of the records after the warm-up steps) and prints tokens/s per GPU
-and the scaling efficiency. On a CPU machine it uses gloo and the tiny preset (a smoke run of
-the script, not a measurement).
+Runs `python -m m3run.runner.train` (1 process) and `torchrun --nproc-per-node N -m
+m3run.runner.train` with the same global batch (accumulation adjusts), reads tokens/s from each
+run's metrics.jsonl (the mean of the records after the warm-up steps) and prints tokens/s per GPU
+and the scaling efficiency. On a CPU machine it uses gloo and the tiny preset (a smoke run of the
+script, not a measurement).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 def run(nproc: int, run_dir: Path, overrides: list[str], env: dict) -> tuple[float, float]:
     """Returns (mean tokens/s after warm-up, wall seconds)."""
     if nproc == 1:
-        cmd = [sys.executable, "-m", "runner.train"]
+        cmd = [sys.executable, "-m", "m3run.runner.train"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--max-restarts", "0", "-m", "runner.train"]  # fmt: skip
+               "--max-restarts", "0", "-m", "m3run.runner.train"]  # fmt: skip
     cmd += [str(REPO / "configs" / "pretrain_a100_434m.yaml"), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
@@ -56,8 +56,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     import torch
-
-    from runner.data.prepare import prepare_data
+    from m3run.runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
     preset = a.preset or ("434m" if gpu else "tiny")

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from runner.data.prepare import prepare_data  # noqa: E402
-from runner.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
+from m3run.runner.data.prepare import prepare_data  # noqa: E402
+from m3run.runner.data.tokenizer import Tokenizer, train_bpe  # noqa: E402
 
 _SYLLABLES = (
     "ka ro mi the an ing er on al re de ti st ou se ma le pro con ver ex pre com par ly "

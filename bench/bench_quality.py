@@ -62,7 +62,7 @@ def prepare(a: argparse.Namespace) -> Path:
     if a.data is not None and (a.data / "train" / "manifest.json").exists():
         print(f"data: {a.data} (prepared earlier)", flush=True)
         return a.data
-    from runner.data.prepare import prepare_data
+    from m3run.runner.data.prepare import prepare_data
 
     out = a.data or Path(tempfile.mkdtemp(prefix="bench-quality-")) / "data"
     vocab, max_bytes = ("bpe:512", 400_000) if a.dry_run else (a.tokenizer, a.max_bytes)
@@ -78,8 +78,8 @@ def prepare(a: argparse.Namespace) -> Path:
 
 def run_config(a: argparse.Namespace, data_dir: Path, sets: list[str] = ()):
     """The recipe with the benchmark's shapes, schedule and data; the caller's overrides last."""
-    from runner.config import load_config
-    from runner.data.loader import TokenWindows
+    from m3run.runner.config import load_config
+    from m3run.runner.data.loader import TokenWindows
 
     windows = TokenWindows(data_dir / "train", 8)
     try:
@@ -111,10 +111,9 @@ def build(kind: str, cfg, device: torch.device, official: Callable | None):
     """(the module, what a training step calls) for one model kind, initialised by
     cfg.train.seed."""
     from anchor_lm import AnchorLM
-
-    from model.lm import compile_options
-    from model.mixer import Mamba3Mixer
-    from runner.worker.build import build_model, compile_for_training
+    from m3run.model.lm import compile_options
+    from m3run.model.mixer import Mamba3Mixer
+    from m3run.runner.worker.build import build_model, compile_for_training
 
     t = cfg.train
     if kind == "ours":
@@ -131,9 +130,9 @@ def build(kind: str, cfg, device: torch.device, official: Callable | None):
 
 def train_one(kind: str, cfg, device: torch.device, official, eval_set, data_seed: int) -> dict:
     """Train one model for train.total_steps on the shared token stream; its losses."""
-    from runner.data.mixture import train_loader
-    from runner.schedule import lr_at
-    from runner.worker.build import autocast, build_optimizer, resolve_precision
+    from m3run.runner.data.mixture import train_loader
+    from m3run.runner.schedule import lr_at
+    from m3run.runner.worker.build import autocast, build_optimizer, resolve_precision
 
     t, d = cfg.train, cfg.data
     model, step_model = build(kind, cfg, device, official)
@@ -205,7 +204,7 @@ def train_one(kind: str, cfg, device: torch.device, official, eval_set, data_see
 def evaluate(model, eval_set, device: torch.device, amp) -> float:
     """Mean loss over the fixed held-out batches in eval mode, under autocast, eagerly (the
     blocks that ours compiled in place run their Python code: no inference graphs to compile)."""
-    from runner.worker.build import autocast
+    from m3run.runner.worker.build import autocast
 
     model.eval()
     total = 0.0
@@ -300,7 +299,7 @@ def main() -> None:
         from bench_train import anchor_factory
 
         official = anchor_factory(cfg, a.dry_run)  # the official module, or ours in a dry run
-    from runner.data.loader import eval_batches
+    from m3run.runner.data.loader import eval_batches
 
     eval_set = eval_batches(data_dir / "val", a.seq_len, a.micro_batch, a.eval_batches)
     tokens = a.steps * a.micro_batch * a.accum * a.seq_len

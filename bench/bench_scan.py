@@ -12,8 +12,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent
+from m3run.kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent
 
 
 def inputs(b, t, h, p, n, s, device, dtype, requires_grad):

@@ -37,9 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from m3run.kernels.mamba3 import mamba3_siso
 from plan_edits import edited_plan, parse_variant
-
-from kernels.mamba3 import mamba3_siso
 
 
 def make_inputs(b, t, h, p, n, s, g, seed=0, shared_angles=False):

@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from kernels.mamba3 import triton_sums
-from kernels.mamba3.launching import LaunchConfig
+from m3run.kernels.mamba3 import triton_sums
+from m3run.kernels.mamba3.launching import LaunchConfig
 
 
 def time_launch(dq, dk, dd, partials_in, parts: bool, cfg: LaunchConfig, rows: int) -> float:

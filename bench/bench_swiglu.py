@@ -14,11 +14,10 @@ import argparse
 import time
 
 import torch
+from m3run.model.layers import SwiGLU
+from m3run.model.lm import compile_options
 from step_probes import kernel_rows
 from torch.profiler import ProfilerActivity, profile
-
-from model.layers import SwiGLU
-from model.lm import compile_options
 
 
 def bench(backend: str, compiled: bool, a: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ autotuner runs in its first step, which can take minutes: that step is reported 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
 (``train.compile_scope=model``), scan launch-plan edits (``bwd_chunk.hpp=2``, the fields of
 bench_scan_gpu.py's --variant) and switches of the code's constants
-(``@runner.worker.update.GuardedUpdate.IN_KERNEL=0``, ``@kernels.swiglu.BLOCK=2048``),
+(``@m3run.runner.worker.update.GuardedUpdate.IN_KERNEL=0``, ``@m3run.kernels.swiglu.BLOCK=2048``),
 printed as ours[NAME] with its ratio to ours and to the anchor: a candidate is timed in the
 step, beside the official module, in one call.
 
@@ -74,7 +74,7 @@ def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: P
     """The recipe with the benchmark's batch, compile (``train.compile_scope``) and backend, on
     the prepared corpus, with the scan state reset after every EOS (``data.reset_at_eos``) or
     not, and the caller's ``KEY=VALUE`` overrides last."""
-    from runner.config import load_config
+    from m3run.runner.config import load_config
 
     overrides = [
         f"train.micro_batch_size={micro}",
@@ -102,7 +102,7 @@ def bench_one(
     trace: Path | None = None,
     label: str = "",
 ) -> dict:
-    from runner.worker.trainer import Trainer
+    from m3run.runner.worker.trainer import Trainer
 
     micro = cfg.train.micro_batch_size
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-mb{micro}-"))
@@ -218,8 +218,7 @@ def anchor_factory(cfg, dry_run: bool):
     official kernels need a GPU), after checking the official module's parameter count at
     these shapes when it is importable."""
     from anchor_lm import AnchorLM, AnchorUnavailable, official_mixer_factory
-
-    from model.mixer import Mamba3Mixer
+    from m3run.model.mixer import Mamba3Mixer
 
     try:
         official = official_mixer_factory(cfg.model)
@@ -320,7 +319,7 @@ def main() -> None:
         metavar="NAME:KEY=VALUE,...",
         help="after the anchor, also ours with these config overrides (on top of --set), "
         "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2) and code switches "
-        "(@MODULE[.CLASS].ATTR=INT, e.g. @kernels.swiglu.BLOCK=2048), as ours[NAME] "
+        "(@MODULE[.CLASS].ATTR=INT, e.g. @m3run.kernels.swiglu.BLOCK=2048), as ours[NAME] "
         "(repeatable)",
     )
     ap.add_argument(
@@ -356,7 +355,7 @@ def main() -> None:
             "bench_train.py needs a CUDA GPU (the 434m step is not a CPU workload); "
             "--dry-run checks the script on CPU"
         )
-    from runner.data.prepare import prepare_data
+    from m3run.runner.data.prepare import prepare_data
 
     device = torch.device("cpu" if a.dry_run else "cuda")
     recipe = DRY_RECIPE if a.dry_run else RECIPE

@@ -39,10 +39,9 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=15)
     a = ap.parse_args()
     import torch
+    from m3run.runner.checkpoint.layout import latest_complete
+    from m3run.runner.data.prepare import prepare_data
     from safetensors.torch import load_file
-
-    from runner.checkpoint.layout import latest_complete
-    from runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
     work = Path(tempfile.mkdtemp(prefix="ddp-restart-"))
@@ -64,7 +63,7 @@ def main() -> None:
 
     def launch(run_dir: Path, *extra: str) -> list[str]:
         config = REPO / "configs" / "demo_cpu.yaml"
-        cmd = [sys.executable, "-m", "runner.cli", "launch", str(config),
+        cmd = [sys.executable, "-m", "m3run.runner.cli", "launch", str(config),
                "--run-dir", str(run_dir), *extra]  # fmt: skip
         for s in sets:
             cmd += ["--set", s]

@@ -53,9 +53,8 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
+    from m3run.runner.checkpoint.layout import MODEL_FILE, latest_complete
     from safetensors.torch import load_file
-
-    from runner.checkpoint.layout import MODEL_FILE, latest_complete
 
     info = latest_complete(run_dir)
     if info is None:

@@ -70,7 +70,7 @@ class Heartbeats:
         self.samples: list[dict] = []
 
     def poll(self) -> None:
-        from runner.runstate import read_heartbeat
+        from m3run.runner.runstate import read_heartbeat
 
         hb = read_heartbeat(self.run_dir)
         if hb is not None and (not self.samples or self.samples[-1]["ts"] != hb.ts):
@@ -92,7 +92,7 @@ class Heartbeats:
 
 
 def checkpoint_table(run_dir: Path, verify: bool) -> list[dict]:
-    from runner.checkpoint.layout import dir_bytes, list_checkpoints
+    from m3run.runner.checkpoint.layout import dir_bytes, list_checkpoints
 
     return [
         {
@@ -106,7 +106,7 @@ def checkpoint_table(run_dir: Path, verify: bool) -> list[dict]:
 
 
 def saves(run_dir: Path) -> list[dict]:
-    from runner.protocol import WORKER_LOG
+    from m3run.runner.protocol import WORKER_LOG
 
     out = []
     for line in (run_dir / WORKER_LOG).read_text(errors="replace").splitlines():

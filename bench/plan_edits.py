@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import importlib
 
-from kernels.mamba3 import launching as lp
-from kernels.mamba3 import triton_siso
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import triton_siso
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(lp.LaunchConfig))
 
@@ -65,7 +65,7 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
     """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits). A KEY whose first
     part names a scan kernel (``bwd_chunk.hpp``) edits the plan; with ``config_keys`` any other
     is a config override (``train.compile_mode``), or, starting with ``@``, a code switch for
-    :func:`switched` (``@kernels.swiglu.BLOCK=2048``), else an error."""
+    :func:`switched` (``@m3run.kernels.swiglu.BLOCK=2048``), else an error."""
     name, _, body = spec.partition(":")
     sets: list[str] = []
     edits: dict[str, dict] = {}
@@ -85,7 +85,7 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
 
 def parse_switch(item: str) -> tuple[object, str, int]:
     """``@MODULE.ATTR=INT`` or ``@MODULE.CLASS.ATTR=INT`` → (owner, attribute, value): one of the
-    code's module or class constants (``@kernels.swiglu.BLOCK=2048``) or a library's option
+    code's module or class constants (``@m3run.kernels.swiglu.BLOCK=2048``) or a library's option
     (``@torch._inductor.config.triton.mix_order_reduction_split_size=64``), checked to exist
     and to hold an int, a bool or None (an option left to the library)."""
     path, _, value = item[1:].partition("=")

@@ -133,7 +133,7 @@ class ClockSampler:
     def span(self, t0: float, t1: float) -> dict | None:
         """Mean SM clock (MHz) and power (W) of the samples in [t0, t1), and the share of them
         under each clock-event reason seen."""
-        from runner.health.nvml import THROTTLE_REASONS
+        from m3run.runner.health.nvml import THROTTLE_REASONS
 
         inside = [x for x in self.samples if t0 <= x[0] < t1]
         if not inside:

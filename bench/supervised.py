@@ -50,7 +50,7 @@ def check_packages(script: str, extra: tuple[str, ...] = ()) -> None:
 
 
 def m3run(*args: str) -> list[str]:
-    return [sys.executable, "-m", "runner.cli", *args]
+    return [sys.executable, "-m", "m3run.runner.cli", *args]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -202,15 +202,15 @@ def wait_for(what: str, probe: Callable[[], Any], launch: Launch, deadline: floa
 
 
 def events(run_dir: Path) -> list[dict]:
-    from runner.files import read_jsonl
-    from runner.protocol import EVENTS_FILE
+    from m3run.runner.files import read_jsonl
+    from m3run.runner.protocol import EVENTS_FILE
 
     return read_jsonl(run_dir / EVENTS_FILE)
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    from runner.files import read_jsonl
-    from runner.protocol import METRICS_FILE
+    from m3run.runner.files import read_jsonl
+    from m3run.runner.protocol import METRICS_FILE
 
     return read_jsonl(run_dir / METRICS_FILE)
 
@@ -231,14 +231,14 @@ def startup_record(run_dir: Path, pid: int) -> dict | None:
 
 
 def complete_steps(run_dir: Path, verify: bool = False) -> list[int]:
-    from runner.checkpoint.layout import list_checkpoints
+    from m3run.runner.checkpoint.layout import list_checkpoints
 
     return [c.step for c in list_checkpoints(run_dir, verify=verify) if c.complete]
 
 
 def tokens_per_step(run_dir: Path) -> int:
-    from runner.config import load_config
-    from runner.protocol import CONFIG_FILE
+    from m3run.runner.config import load_config
+    from m3run.runner.protocol import CONFIG_FILE
 
     cfg = load_config(run_dir / CONFIG_FILE)
     return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
@@ -256,9 +256,9 @@ def step_times(run_dir: Path, after: float, until: float | None = None) -> list[
 
 def worker_pid(run_dir: Path) -> int | None:
     """The run's live worker, by state.json's pid checked against its create time and lock."""
-    from runner.files import read_json
-    from runner.procs import owns_lock
-    from runner.protocol import STATE_FILE, WORKER_LOCK_FILE, RunState
+    from m3run.runner.files import read_json
+    from m3run.runner.procs import owns_lock
+    from m3run.runner.protocol import STATE_FILE, WORKER_LOCK_FILE, RunState
 
     state = RunState.from_dict(read_json(run_dir / STATE_FILE))
     if state is None or state.worker_pid is None:
@@ -287,7 +287,7 @@ def kill_worker(run_dir: Path, quiet: bool = False) -> tuple[int, float] | None:
 
 
 def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    from runner.procs import create_time
+    from m3run.runner.procs import create_time
 
     deadline = time.time() + timeout_s
     while create_time(pid) is not None and time.time() < deadline:
@@ -383,7 +383,7 @@ def smoke_check_rows(run_dir: Path, since: float) -> list[dict]:
     """The smoke test's checks with their seconds (RUN_DIR/smoke.json), as rows inside its own:
     they do not add to the total (process start and imports are outside every check). None
     where the file predates ``since``: a skipped smoke test leaves an earlier launch's there."""
-    from runner.protocol import SMOKE_FILE
+    from m3run.runner.protocol import SMOKE_FILE
 
     try:
         path = run_dir / SMOKE_FILE

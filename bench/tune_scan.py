@@ -4,7 +4,7 @@
                               [--chunk 64 ...] [--only bwd_chunk ...] [--dtype bf16] [--no-reset]
                               [--out kernels/mamba3/launch_table.py]
 
-The search is :mod:`kernels.mamba3.tuning`'s (each kernel timed alone under each candidate, at
+The search is :mod:`m3run.kernels.mamba3.tuning`'s (each kernel timed alone under each candidate, at
 each chunk, on the scan called as the model calls it); ``--only`` tunes some kernels and keeps the
 table's plan for the rest. The result is merged into the table file under this GPU's architecture
 (``sm90`` …) and the tile-shape key of every caller chunk, so a worker reads it at launch and
@@ -19,16 +19,15 @@ import ast
 from pathlib import Path
 
 import torch
-
-from kernels.mamba3 import launching as lp
-from kernels.mamba3 import triton_common as tc
-from kernels.mamba3 import tuning
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import triton_common as tc
+from m3run.kernels.mamba3 import tuning
 
 
 def _table_configs(arch: str, key: str) -> dict[str, lp.LaunchConfig]:
     """The checked-in table's configurations for this GPU and shape key, the defaults for any
     kernel it does not name."""
-    from kernels.mamba3.launch_table import TABLE
+    from m3run.kernels.mamba3.launch_table import TABLE
 
     return lp.entry_configs(TABLE.get(arch, {}).get(key, {}))
 

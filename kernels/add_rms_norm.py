@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from m3run.kernels.mamba3.triton_common import TRITON_IMPORT_ERROR, tl, triton
 from torch import Tensor
-
-from kernels.mamba3.triton_common import TRITON_IMPORT_ERROR, tl, triton
 
 # The best of 44 launch configurations timed alone at (16, 2048, 1024) on an H200
 # (docs/benchmarks.md): 148 µs (3.6 TB/s) against 167 µs at 4 rows, 8 warps, 1,024 programs.

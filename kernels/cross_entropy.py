@@ -15,10 +15,9 @@ Opaque to torch.compile like the other operators here (a custom op).
 from __future__ import annotations
 
 import torch
+from m3run.kernels import IGNORE_INDEX
+from m3run.kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 from torch import Tensor
-
-from kernels import IGNORE_INDEX
-from kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 
 BLOCK = 2048  # columns per step of a row: 8 per thread at 8 warps (timed against 1024-8192
 NUM_WARPS = 8  # columns, 4-16 warps and a grid of fewer programs taking rows in turn)

@@ -19,9 +19,8 @@ the plain module's under autocast; the weight gradient comes back in ``w``'s dty
 from __future__ import annotations
 
 import torch
+from m3run.kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 from torch import Tensor
-
-from kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 
 BLOCK = 1024  # columns of d_hidden per program: one row's slice, 8 bf16 per thread at 4 warps
 NUM_WARPS = 4

@@ -1,7 +1,7 @@
 """Mamba-3-Lite: config and presets (torch-free), the mixer, the MLP and the language model.
 
-``from model import ModelConfig`` stays torch-free so light processes (the supervisor, the CLI's
-status commands) can read configs; the torch modules load on first access.
+``from m3run.model import ModelConfig`` stays torch-free so light processes (the supervisor, the
+CLI's status commands) can read configs; the torch modules load on first access.
 """
 
 from .config import PRESETS, ModelConfig

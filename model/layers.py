@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from m3run.kernels.mamba3 import uses_triton_kernels
 from torch import Tensor, nn
-
-from kernels.mamba3 import uses_triton_kernels
 
 # Off: the products are F.linear under autocast, whose bf16 weight gradients inductor casts to
 # the fp32 parameters in kernels of its own; for the benchmark's comparison, bench_train.py
-# --variant NAME:@model.layers.LINEAR_OP=0.
+# --variant NAME:@m3run.model.layers.LINEAR_OP=0.
 LINEAR_OP = True
 
 
@@ -26,7 +25,7 @@ def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Te
     operator of kernels/linear.py (computed in the autocast dtype as F.linear would be; the
     backward writes w's fp32 gradient from the products themselves); else F.linear a block."""
     if LINEAR_OP and uses_triton_kernels(backend, x):
-        from kernels.linear import linear_rows as op
+        from m3run.kernels.linear import linear_rows as op
 
         return op(x, w, sizes, autocast_dtype(x))
     if len(sizes) == 1:
@@ -39,7 +38,7 @@ class RMSNorm(nn.Module):
     tests' models are float64 throughout) and cast back to the input dtype."""
 
     # Off: add() is the plain add and norm under inductor's backward; for the benchmark's
-    # comparison, bench_train.py --variant NAME:@model.layers.RMSNorm.FUSED_ADD=0.
+    # comparison, bench_train.py --variant NAME:@m3run.model.layers.RMSNorm.FUSED_ADD=0.
     FUSED_ADD = True
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -59,7 +58,7 @@ class RMSNorm(nn.Module):
         writes the stream's gradient and its copy in delta's dtype); else the plain add and
         :meth:`forward`."""
         if self.FUSED_ADD and x.dtype == torch.float32 and uses_triton_kernels(backend, delta):
-            from kernels.add_rms_norm import add_rms_norm
+            from m3run.kernels.add_rms_norm import add_rms_norm
 
             return add_rms_norm(x, delta, self.weight, self.eps)
         s = x + delta
@@ -84,7 +83,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         (gu,) = linear_rows(x, self.gate_up.weight, [self.gate_up.out_features], self.backend)
         if uses_triton_kernels(self.backend, gu):
-            from kernels import swiglu
+            from m3run.kernels import swiglu
 
             return swiglu.swiglu_down(gu, self.down.weight)
         gate, up = gu.split(self.d_hidden, dim=-1)

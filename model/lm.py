@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from m3run.kernels.mamba3 import State, uses_triton_kernels
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-
-from kernels.mamba3 import State, uses_triton_kernels
 
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, autocast_dtype
@@ -35,7 +34,7 @@ from .mixer import Mamba3Mixer
 class Block(nn.Module):
     # Off: each block adds its MLP output to the stream itself, at its graph's end, and leaves
     # nothing pending; for the benchmark's comparison, bench_train.py --variant
-    # NAME:@model.lm.Block.DEFER_RESIDUAL_ADD=0.
+    # NAME:@m3run.model.lm.Block.DEFER_RESIDUAL_ADD=0.
     DEFER_RESIDUAL_ADD = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -146,7 +145,7 @@ class Mamba3LM(nn.Module):
         probe = torch.empty(0, dtype=dtype, device=device)
         if not uses_triton_kernels(self.config.scan_backend, probe):
             return None
-        from kernels.mamba3.triton_precompile import precompile, scan_launches
+        from m3run.kernels.mamba3.triton_precompile import precompile, scan_launches
 
         c = self.config
         launches = scan_launches(batch, seq_len, c.nheads, c.headdim, c.d_state, c.n_angles,

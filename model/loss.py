@@ -12,10 +12,9 @@ kernel (kernels/cross_entropy.py) instead of the compiled PyTorch form's fused k
 from __future__ import annotations
 
 import torch
+from m3run.kernels import IGNORE_INDEX
+from m3run.kernels.mamba3 import uses_triton_kernels
 from torch import Tensor
-
-from kernels import IGNORE_INDEX
-from kernels.mamba3 import uses_triton_kernels
 
 from .layers import autocast_dtype
 
@@ -38,7 +37,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_grad else None
         loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
         if use_kernel:  # chosen by linear_cross_entropy (or a CPU test, in the interpreter)
-            from kernels.cross_entropy import ce_grad
+            from m3run.kernels.cross_entropy import ce_grad
 
             inv_n = 1.0 / denom
         else:

@@ -13,9 +13,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+from m3run.kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
 from torch import Tensor, nn
-
-from kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
 
 from .config import ModelConfig
 from .layers import linear_rows

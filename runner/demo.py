@@ -21,13 +21,13 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 
 
 def m3run(*args: str) -> int:
-    cmd = [sys.executable, "-m", "runner.cli", *args]
+    cmd = [sys.executable, "-m", "m3run.runner.cli", *args]
     print("$ m3run " + " ".join(args), flush=True)
     return subprocess.call(cmd)
 
 
 def sample() -> None:
-    from runner.export import ExportError, generate, load_trained
+    from m3run.runner.export import ExportError, generate, load_trained
 
     try:
         trained = load_trained(RUN)

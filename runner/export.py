@@ -16,16 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from m3run.model import Mamba3LM
+from m3run.runner import __version__
+from m3run.runner.checkpoint.io import load_checkpoint
+from m3run.runner.checkpoint.layout import (
+    CheckpointError,
+    CheckpointInfo,
+    find_step,
+    latest_complete,
+)
+from m3run.runner.config import ConfigError, config_hash, load_frozen_config
+from m3run.runner.data.tokenizer import Tokenizer, load_tokenizer
+from m3run.runner.files import apply_umask
+from m3run.runner.protocol import CONFIG_FILE
 from safetensors.torch import save_file
-
-from model import Mamba3LM
-from runner import __version__
-from runner.checkpoint.io import load_checkpoint
-from runner.checkpoint.layout import CheckpointError, CheckpointInfo, find_step, latest_complete
-from runner.config import ConfigError, config_hash, load_frozen_config
-from runner.data.tokenizer import Tokenizer, load_tokenizer
-from runner.files import apply_umask
-from runner.protocol import CONFIG_FILE
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"

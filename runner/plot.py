@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.files import read_jsonl
-from runner.protocol import EVENTS_FILE, METRICS_FILE
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import EVENTS_FILE, METRICS_FILE
 
 PLOT_FILE = "curves.png"
 CURVES = ("loss", "lr", "grad_norm", "tokens_per_s")

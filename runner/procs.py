@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import psutil
-
-from runner.files import lock_holder, open_append
+from m3run.runner.files import lock_holder, open_append
 
 # psutil's create time is the clock ticks since boot plus the boot time of /proc/stat, whole
 # seconds that the kernel derives from the wall clock: when the clock is adjusted (NTP), two

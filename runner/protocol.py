@@ -110,7 +110,7 @@ FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
 # Set by the supervisor for the worker it starts: its own pid, so the worker can tell its
 # supervisor's supervisor.lock from another supervisor's (then it refuses to write).
 SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"
-# The worker's one argument as a warm spare (`python -m runner.train --standby`): import, then
+# The worker's one argument as a warm spare (`python -m m3run.runner.train --standby`): import, then
 # read the worker's arguments as a JSON list from one line of stdin (runner/supervisor/spare.py).
 STANDBY_ARG = "--standby"
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.files import lock_holder, read_json
-from runner.procs import owns_lock, process_matches, tail_text
-from runner.protocol import (
+from m3run.runner.files import lock_holder, read_json
+from m3run.runner.procs import owns_lock, process_matches, tail_text
+from m3run.runner.protocol import (
     ACTIVE_PHASES,
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -255,7 +255,7 @@ def _last_train_metrics(run_dir: Path) -> dict:
 
 
 def _last_complete_checkpoint(run_dir: Path) -> int | None:
-    from runner.checkpoint.layout import CheckpointError, list_checkpoints
+    from m3run.runner.checkpoint.layout import CheckpointError, list_checkpoints
 
     try:
         # Sizes only: status must stay instant even with many multi-GB checkpoints.
@@ -330,7 +330,7 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
         "started_at": state.started_at,
         "updated_at": state.updated_at,
     }
-    from runner.supervisor.mirror import read_lag
+    from m3run.runner.supervisor.mirror import read_lag
 
     status["mirror"] = read_lag(run_dir)  # None without a checkpoint mirror
     if phase == SupervisorPhase.FAILED:
@@ -356,8 +356,8 @@ def _gpu_snapshot() -> list[dict] | dict | None:
     """Util/memory/temperature per GPU (runner.health's probe child), None without a GPU."""
     from dataclasses import asdict
 
-    from runner.health.checks import gpu_snapshot
-    from runner.health.probe import ProbeError
+    from m3run.runner.health.checks import gpu_snapshot
+    from m3run.runner.health.probe import ProbeError
 
     try:
         snap = gpu_snapshot(timeout_s=5.0)
@@ -466,7 +466,7 @@ def format_status(st: dict) -> str:
     if st.get("error"):
         lines.append("error      " + "\n           ".join(st["error"]))
     if st.get("mirror"):
-        from runner.supervisor.mirror import format_lag
+        from m3run.runner.supervisor.mirror import format_lag
 
         lines.append(f"mirror     {format_lag(st['mirror'])}")
     gpu = st.get("gpu")

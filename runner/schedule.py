@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from runner.config import RunConfig
+from m3run.runner.config import RunConfig
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.files import append_jsonl, atomic_write_json, read_json
-from runner.procs import signal_group_of
-from runner.protocol import (
+from m3run.runner.files import append_jsonl, atomic_write_json, read_json
+from m3run.runner.procs import signal_group_of
+from m3run.runner.protocol import (
     EVENTS_FILE,
     LOCK_FILE,
     STATE_FILE,
@@ -29,7 +29,7 @@ from runner.protocol import (
     StopRequest,
     SupervisorPhase,
 )
-from runner.runstate import orphan_worker, settled_phase, supervisor_alive
+from m3run.runner.runstate import orphan_worker, settled_phase, supervisor_alive
 
 # On top of the grace the worker gets to save: the supervisor's poll, the final checkpoint
 # verification and its state write.

@@ -1,4 +1,4 @@
-"""`python -m runner.train CONFIG --run-dir DIR ...`: the training worker's command line.
+"""`python -m m3run.runner.train CONFIG --run-dir DIR ...`: the training worker's command line.
 
 The worker lives in runner.worker (runner/worker/main.py); this module keeps the command and
 the `run` that `m3run train` calls.
@@ -6,8 +6,8 @@ the `run` that `m3run train` calls.
 
 from __future__ import annotations
 
-from runner.procs import exit_now
-from runner.worker.main import main, run
+from m3run.runner.procs import exit_now
+from m3run.runner.worker.main import main, run
 
 __all__ = ["main", "run"]
 

@@ -17,7 +17,7 @@ if str(TESTS) not in sys.path:
 def corpus(tmp_path_factory) -> Path:
     """Token shards prepared from ~400 kB of the Python standard library with a 512-token BPE
     (seconds on 2 cores). Returns the output dir holding train/ and val/."""
-    from runner.data.prepare import prepare_data
+    from m3run.runner.data.prepare import prepare_data
 
     out = tmp_path_factory.mktemp("corpus") / "data"
     prepare_data(["stdlib"], out, tokenizer="bpe:512", max_bytes=400_000, progress=False)

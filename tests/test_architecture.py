@@ -17,26 +17,27 @@ PACKAGES = ("runner", "model", "kernels")
 # any of them must not import torch (a CUDA fault in the worker must not reach them, and they
 # start in milliseconds).
 TORCH_FREE = (
-    "runner.supervisor",
-    "runner.health",
-    "runner.protocol",
-    "runner.files",
-    "runner.procs",
-    "runner.config",
-    "runner.runstate",
-    "runner.cli",
-    "runner.plot",
-    "runner.checkpoint.layout",
+    "m3run.runner.supervisor",
+    "m3run.runner.health",
+    "m3run.runner.protocol",
+    "m3run.runner.files",
+    "m3run.runner.procs",
+    "m3run.runner.config",
+    "m3run.runner.runstate",
+    "m3run.runner.cli",
+    "m3run.runner.plot",
+    "m3run.runner.checkpoint.layout",
 )
 MAX_FILE_LINES = 900
 MAX_CLASS_LINES = 500
 
 
 def _module_name(path: Path) -> str:
+    """A file's import name: the folders model/, kernels/ and runner/ are m3run's packages."""
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join(["m3run", *parts])
 
 
 def _modules() -> dict[str, Path]:
@@ -107,9 +108,12 @@ def test_torch_free_side_never_imports_torch():
 @pytest.mark.parametrize(
     ("side", "forbidden"),
     [
-        ("runner.supervisor", ("runner.worker", "runner.data.loader", "runner.checkpoint.io")),
-        ("runner.worker", ("runner.supervisor", "runner.health")),
-        ("runner.health", ("runner.worker", "runner.supervisor")),
+        (
+            "m3run.runner.supervisor",
+            ("m3run.runner.worker", "m3run.runner.data.loader", "m3run.runner.checkpoint.io"),
+        ),
+        ("m3run.runner.worker", ("m3run.runner.supervisor", "m3run.runner.health")),
+        ("m3run.runner.health", ("m3run.runner.worker", "m3run.runner.supervisor")),
     ],
 )
 def test_process_sides_do_not_import_each_other(side, forbidden):
@@ -164,9 +168,13 @@ def test_no_file_or_class_outgrows_its_job():
 
 def test_the_walk_sees_the_layout():
     # Guards the checks above against walking nothing.
-    for name in ("runner.supervisor.supervisor", "runner.protocol", "runner.checkpoint.io"):
+    for name in (
+        "m3run.runner.supervisor.supervisor",
+        "m3run.runner.protocol",
+        "m3run.runner.checkpoint.io",
+    ):
         assert name in MODULES
-    assert "runner.protocol" in GRAPH["runner.supervisor.supervisor"]
+    assert "m3run.runner.protocol" in GRAPH["m3run.runner.supervisor.supervisor"]
 
 
 def test_no_test_module_imports_another():
@@ -181,4 +189,24 @@ def test_no_test_module_imports_another():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 targets = [node.module]
             bad += [f"{path.relative_to(REPO)} imports {t}" for t in targets if t in names]
+    assert not bad, bad
+
+
+def test_nothing_imports_the_folders_by_their_top_level_names():
+    """m3run's packages are imported as m3run.model, m3run.kernels and m3run.runner: in a
+    checkout the folders also import as top-level `model`, `kernels` and `runner`, which would
+    load a second copy of each module (and installs nothing of the kind)."""
+    bad = []
+    for folder in (*PACKAGES, "tests", "bench", "m3run"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                bad += [
+                    f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in PACKAGES
+                ]
     assert not bad, bad

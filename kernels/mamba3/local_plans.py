@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.files import atomic_write_text
+from m3run.runner.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

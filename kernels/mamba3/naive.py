@@ -5,7 +5,7 @@ README.md is written; :func:`siso_recurrent` loops it over a sequence. Generatio
 ``siso_step`` directly, so decoding does O(1) work per new token.
 
 Inputs are already in the compute dtype (float32 or float64) and already expanded from
-``g`` groups to ``h`` heads; :mod:`kernels.mamba3.api` does the validation and casting.
+``g`` groups to ``h`` heads; :mod:`m3run.kernels.mamba3.api` does the validation and casting.
 
 A ``reset`` token (a document start in a packed window) sees a zero state: neither the state
 before it nor the previous token's pending trapezoid half-term enters. The cumulative angle Φ

@@ -31,7 +31,7 @@ store it makes is time on the backward's one serial path.
    such block of heads (their fp32 sum), and what is left of a group's sum is the head sum's
    (below). A program may also take ``cpp`` consecutive chunks in turn, so that under
    num_stages > 1 the compiler loads a chunk's tiles while the one before is worked on, and p
-   in blocks of the plan's ``bv``. It is :mod:`kernels.mamba3.triton_bwd_chunk`.
+   in blocks of the plan's ``bv``. It is :mod:`m3run.kernels.mamba3.triton_bwd_chunk`.
 3. ``siso_bwd_angle_kernel`` (grid: chunks × batch·heads, or with one set of angles for every
    head chunks × batch·head blocks, each block's gradients summed in it): ``Φ_t`` is a cumsum of
    ``Δ·π·tanh(θ̃)``, so ``∂L/∂θ̃_u`` and the angle term of ``∂L/∂Δ_u`` take the reverse cumsum
@@ -43,7 +43,7 @@ store it makes is time on the backward's one serial path.
 
 The partial sums that end it, the head sum (grouped q, k over their heads, and the bias
 partials of per-head ones) and the parameters' gradients over their partials, are
-:mod:`kernels.mamba3.triton_sums`.
+:mod:`m3run.kernels.mamba3.triton_sums`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The backward's chunk-parallel kernel (kernel 2 of :mod:`kernels.mamba3.triton_bwd`, whose
+"""The backward's chunk-parallel kernel (kernel 2 of :mod:`m3run.kernels.mamba3.triton_bwd`, whose
 docstring gives its terms), and the tile helpers it shares with the state kernel: q̄, k̄ rotated
 as the forward rotates them, and the gated ``do`` with the gate's slope.
 

@@ -202,14 +202,14 @@ if triton is not None:
     @triton.jit
     def segments(seg, o_tc):
         """Where resets cut a chunk, from its segment ids (``seg`` points at the batch row of
-        :func:`kernels.mamba3.triton_siso.segment_ids`: the count of resets in the chunk up to and
-        including each token, ``o_tc`` the chunk's positions). Returns which tokens the entering
+        :func:`m3run.kernels.mamba3.triton_siso.segment_ids`: the count of resets in the chunk up to
+        and including each token, ``o_tc`` the chunk's positions). Returns which tokens the entering
         state reaches (before the chunk's first reset), which reach the leaving state (after its
-        last one), whether the entering state survives the chunk (no reset in it) and which
-        pairs of tokens share a segment. Masks, never −inf: a decay across a reset is zeroed,
-        not underflowed. The ids only grow along a chunk (the padding repeats the last), so the
-        last token's is their maximum, taken from the ids already loaded (no second load on the
-        forward's serial path each chunk)."""
+        last one), whether the entering state survives the chunk (no reset in it) and which pairs of
+        tokens share a segment. Masks, never −inf: a decay across a reset is zeroed, not
+        underflowed. The ids only grow along a chunk (the padding repeats the last), so the last
+        token's is their maximum, taken from the ids already loaded (no second load on the forward's
+        serial path each chunk)."""
         b_seg = tl.load(seg + o_tc)
         b_last = tl.max(b_seg, axis=0)
         return b_seg == 0, b_seg == b_last, b_last == 0, b_seg[:, None] == b_seg[None, :]

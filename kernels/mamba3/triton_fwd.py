@@ -1,7 +1,7 @@
 """Triton forward of the Mamba-3 SISO scan.
 
 One program per (batch, head, p block) walks the sequence chunk by chunk and keeps the augmented
-inter-chunk state ``G`` (p × n, fp32; see :mod:`kernels.mamba3.chunk`) in registers, so no
+inter-chunk state ``G`` (p × n, fp32; see :mod:`m3run.kernels.mamba3.chunk`) in registers, so no
 per-chunk state goes to memory on the inference path. Inside a chunk of ``BT`` tokens it builds
 the masked (BT × BT) score matrix ``q̄k̄ᵀ ⊙ exp(segsum(adt)) ⊙ W`` (``W`` holds the trapezoid
 weights ``w_j`` below the diagonal and ``λ_jΔ_j`` on it: the diagonal correction), multiplies it

@@ -1,7 +1,7 @@
 """Compile the scan's kernels for a GPU architecture without a GPU and report their resources.
 
 The forward and backward launchers run on ``meta`` tensors with a recorder in place of the
-launches (:func:`kernels.mamba3.launching.set_recorder`), so every kernel is compiled with
+launches (:func:`m3run.kernels.mamba3.launching.set_recorder`), so every kernel is compiled with
 exactly the arguments, constexprs and launch configuration a real call would use. ``ptxas -v``
 (the one bundled with Triton) then gives registers, spills and stack per thread; Triton gives the
 shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py.

@@ -1,9 +1,9 @@
 """The Triton Mamba-3 SISO scan as two custom operators with an autograd formula, and its public
 entry point.
 
-The kernels live in :mod:`kernels.mamba3.triton_fwd` and :mod:`kernels.mamba3.triton_bwd`; the
-chunk they use and their launch configurations come from
-:func:`kernels.mamba3.launching.plan_for` (a checked-in table per GPU architecture and
+The kernels live in :mod:`m3run.kernels.mamba3.triton_fwd` and
+:mod:`m3run.kernels.mamba3.triton_bwd`; the chunk they use and their launch configurations come from
+:func:`m3run.kernels.mamba3.launching.plan_for` (a checked-in table per GPU architecture and
 shape). What stays in PyTorch here: folding a carried ``initial_state`` into the augmented start
 state (autograd takes it back to its four parts) and the final ``k_state`` / ``v_state``.
 """
@@ -245,7 +245,7 @@ def mamba3_siso_triton(
     (b, t) bool (no state crosses a token marked True: the kernels mask every decay across it).
     Dots run in v's dtype with fp32 accumulation; the state, decays and angles are fp32.
     Differentiable in every input, the initial state included. Callers go through
-    :func:`kernels.mamba3.api.mamba3_siso`, which validates the shapes.
+    :func:`m3run.kernels.mamba3.api.mamba3_siso`, which validates the shapes.
     """
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(TRITON_IMPORT_ERROR)

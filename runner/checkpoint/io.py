@@ -1,5 +1,5 @@
 """Saving and loading checkpoints (torch): the write protocol of
-:mod:`runner.checkpoint.layout`, the snapshot buffers and the background writer.
+:mod:`m3run.runner.checkpoint.layout`, the snapshot buffers and the background writer.
 
 Saving without stalling training (`SnapshotBuffers`, `BackgroundWriter`): the training loop only
 waits for `snapshot(..., buffers=...)`, a device→host copy into CPU tensors allocated once (pinned
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.layout import (
     DATA_FILES,
     DEL_PREFIX,
     FORMAT_VERSION,
@@ -40,7 +40,7 @@ from runner.checkpoint.layout import (
     read_and_verify,
     remove_leftovers,
 )
-from runner.files import apply_umask, describe_os_error, fsync_path, sha256_file
+from m3run.runner.files import apply_umask, describe_os_error, fsync_path, sha256_file
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """Checkpoint layout, discovery and verification: `<run_dir>/checkpoints/step_00004000/
 {model.safetensors, optim.pt, meta.json}`. Torch-free: the supervisor and the light CLI commands
 use it to tell a complete checkpoint from a torn one (meta.json parses and both sha256 digests
-match) without importing torch. Saving and loading live in :mod:`runner.checkpoint.io`.
+match) without importing torch. Saving and loading live in :mod:`m3run.runner.checkpoint.io`.
 
 Write protocol (one worker owns a run dir, so there is one writer at a time):
   1. remove stale `.tmp-*` / `.del-*` entries left by a writer that was killed;
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.files import atomic_write_json, fsync_path, read_json, sha256_file
-from runner.protocol import CHECKPOINTS_DIR
+from m3run.runner.files import atomic_write_json, fsync_path, read_json, sha256_file
+from m3run.runner.protocol import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)
 

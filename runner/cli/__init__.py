@@ -18,16 +18,16 @@ Exit codes:
              tune failed (nothing stored)
 """
 
-from runner.cli.app import app
+from m3run.runner.cli.app import app
 
 # Each module registers its commands when imported; `m3run --help` lists them in this order.
 # isort: off
-import runner.cli.runs
-import runner.cli.views
-import runner.cli.models
-import runner.cli.data
-import runner.cli.health
-import runner.cli.tune  # noqa: F401
+import m3run.runner.cli.runs
+import m3run.runner.cli.views
+import m3run.runner.cli.models
+import m3run.runner.cli.data
+import m3run.runner.cli.health
+import m3run.runner.cli.tune  # noqa: F401
 # isort: on
 
 __all__ = ["app"]

@@ -1,6 +1,6 @@
-"""`python -m runner.cli`: the same as the `m3run` console script."""
+"""`python -m m3run.runner.cli`: the same as the `m3run` console script."""
 
-from runner.cli import app
+from m3run.runner.cli import app
 
 if __name__ == "__main__":
     app()

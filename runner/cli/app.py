@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner import __version__
+from m3run.runner import __version__
 
 app = typer.Typer(
     name="m3run",
@@ -56,7 +55,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 def run_dir_of(run: str | None) -> Path:
-    from runner.runstate import RunNotFoundError, resolve_run
+    from m3run.runner.runstate import RunNotFoundError, resolve_run
 
     try:
         return resolve_run(run)

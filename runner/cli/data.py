@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import app, fail
+from m3run.runner.cli.app import app, fail
 
 
 @app.command("prepare-data", epilog="Exit codes: 0 prepared · 78 an input or argument is bad.")
@@ -96,8 +95,8 @@ def prepare_data(
     ] = 10.0,
 ) -> None:
     """Tokenise text into token shards with a manifest (train/ and val/ under --out)."""
-    from runner.data.manifest import DataError
-    from runner.data.prepare import prepare_data as prepare
+    from m3run.runner.data.manifest import DataError
+    from m3run.runner.data.prepare import prepare_data as prepare
 
     if out is None:
         raise fail("m3run prepare-data: --out DIR is required (where train/ and val/ go)", 2)

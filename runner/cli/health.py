@@ -6,8 +6,7 @@ import json
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import app, run_dir_of
+from m3run.runner.cli.app import app, run_dir_of
 
 
 @app.command()
@@ -43,7 +42,7 @@ def health(
 ) -> None:
     """One-shot GPU health report (exit 69 when a GPU is unhealthy), or a run's liveness."""
     if liveness is not None:
-        from runner import runstate
+        from m3run.runner import runstate
 
         ok, why = runstate.liveness(run_dir_of(liveness))
         if as_json:
@@ -51,7 +50,7 @@ def health(
         else:
             typer.echo(f"{'alive' if ok else 'NOT ALIVE'}: {why}")
         raise typer.Exit(0 if ok else 1)
-    from runner.health.checks import check_gpu_health
+    from m3run.runner.health.checks import check_gpu_health
 
     report = check_gpu_health(timeout, allow_foreign_processes=allow_processes)
     typer.echo(json.dumps(report.to_dict(), sort_keys=True) if as_json else report.summary())

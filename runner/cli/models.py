@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import RUN_HELP, app, fail, run_dir_of
+from m3run.runner.cli.app import RUN_HELP, app, fail, run_dir_of
 
 STEP_HELP = "Checkpoint step (default: the newest complete one)."
 
@@ -34,7 +33,7 @@ def generate(
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
 ) -> None:
     """Continue a prompt with the run's model (on CPU, from a checkpoint)."""
-    from runner.export import ExportError, generate, load_trained
+    from m3run.runner.export import ExportError, generate, load_trained
 
     if not prompt:
         raise fail("m3run generate: --prompt TEXT is required (the text to continue)", 2)
@@ -53,7 +52,7 @@ def export(
     step: Annotated[int | None, typer.Option("--step", metavar="N", help=STEP_HELP)] = None,
 ) -> None:
     """Write model.safetensors, config.json and the tokenizer: `Mamba3LM.from_export(OUT)`."""
-    from runner.export import ExportError, export, load_trained
+    from m3run.runner.export import ExportError, export, load_trained
 
     try:
         trained = load_trained(run_dir_of(run), step)

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import RUN_HELP, Overrides, app, fail, run_dir_of
+from m3run.runner.cli.app import RUN_HELP, Overrides, app, fail, run_dir_of
 
 
 @app.command(
@@ -72,7 +71,7 @@ def launch(
     ] = False,
 ) -> None:
     """Freeze the config, check the GPU, smoke-test, then train under the supervisor."""
-    from runner.supervisor import launch as supervisor
+    from m3run.runner.supervisor import launch as supervisor
 
     if run_dir is not None and name is not None:
         raise fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name}), not both", 2)
@@ -88,7 +87,7 @@ def launch(
         raise fail(f"m3run launch: {e}", 2) from None
     if log_format not in ("text", "json"):
         raise fail(f"m3run launch: --log-format must be text or json, got {log_format!r}", 2)
-    from runner.runstate import runs_root_dir
+    from m3run.runner.runstate import runs_root_dir
 
     run_dir = run_dir if run_dir is not None else runs_root_dir() / (name or config.stem)
     opts = supervisor.LaunchOptions(
@@ -128,7 +127,7 @@ def stop(
     ] = False,
 ) -> None:
     """Stop a run: the worker saves a checkpoint and exits; waits until the run is stopped."""
-    from runner.stopping import stop_run
+    from m3run.runner.stopping import stop_run
 
     run_dir = run_dir_of(run)
     raise typer.Exit(stop_run(run_dir, grace_s=grace, force=force, say=typer.echo))
@@ -163,7 +162,7 @@ def train(
     ] = 1.0,
 ) -> None:
     """Run the training worker in the foreground, without a supervisor."""
-    from runner.train import run
+    from m3run.runner.train import run
 
     raise typer.Exit(run(config, run_dir, overrides or [], resume, force, lr_scale))
 
@@ -174,8 +173,8 @@ def smoke(
     overrides: Overrides = None,
 ) -> None:
     """Preflight smoke test: numbered checks from CUDA/bf16 to peak memory."""
-    from runner.config import ConfigError, load_config
-    from runner.worker.smoke import run_smoke
+    from m3run.runner.config import ConfigError, load_config
+    from m3run.runner.worker.smoke import run_smoke
 
     try:
         cfg = load_config(config, overrides or [])

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import Overrides, app, fail
-from runner.protocol import EXIT_CONFIG
+from m3run.runner.cli.app import Overrides, app, fail
+from m3run.runner.protocol import EXIT_CONFIG
 
 EPILOG = (
     "Exit codes: 0 tuned and stored, 78 bad config or no GPU the Triton scan runs on, 1 the "
@@ -48,9 +47,8 @@ def tune_scan(
     """Tune the scan kernels' launch plans for CONFIG's shapes on this GPU (a few minutes; run it
     on an idle GPU, once per machine and m3run version)."""
     import torch
-
-    from kernels.mamba3 import BackendUnavailableError, resolve_backend
-    from runner.config import ConfigError, load_config
+    from m3run.kernels.mamba3 import BackendUnavailableError, resolve_backend
+    from m3run.runner.config import ConfigError, load_config
 
     try:
         cfg = load_config(config, overrides or [])
@@ -81,12 +79,11 @@ def tune_scan(
 
 def _tune(cfg, device, chunks: list[int] | None, plans: Path | None) -> None:
     import torch
-
-    from kernels.mamba3 import launching as lp
-    from kernels.mamba3 import triton_common as tc
-    from kernels.mamba3 import tuning
-    from runner.worker.build import scan_shape
-    from runner.worker.smoke import first_line
+    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import triton_common as tc
+    from m3run.kernels.mamba3 import tuning
+    from m3run.runner.worker.build import scan_shape
+    from m3run.runner.worker.smoke import first_line
 
     m = cfg.model
     chunks = chunks or list(tc.CHUNK_SIZES)

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from runner.cli.app import RUN_HELP, app, fail, run_dir_of
+from m3run.runner.cli.app import RUN_HELP, app, fail, run_dir_of
 
 
 @app.command()
@@ -31,7 +30,7 @@ def status(
     ] = True,
 ) -> None:
     """Phase, progress, loss, speed, heartbeat, checkpoints and restarts of a run."""
-    from runner import runstate
+    from m3run.runner import runstate
 
     run_dir = run_dir_of(run)
 
@@ -43,10 +42,9 @@ def status(
     if not watch:
         typer.echo(render()[0])
         return
+    from m3run.runner.protocol import ACTIVE_PHASES
     from rich.live import Live
     from rich.text import Text
-
-    from runner.protocol import ACTIVE_PHASES
 
     try:
         if as_json or not sys.stdout.isatty():  # a frame per refresh: scripts, pipes, logs
@@ -86,7 +84,7 @@ def logs(
     ] = 50,
 ) -> None:
     """Print the end of the worker's output (or the supervisor's log)."""
-    from runner import runstate
+    from m3run.runner import runstate
 
     run_dir = run_dir_of(run)
     path = runstate.log_path(run_dir, supervisor=supervisor_log)
@@ -97,7 +95,7 @@ def logs(
             f"{run_dir}`)"
         )
     if path.is_file():
-        from runner.procs import tail_text
+        from m3run.runner.procs import tail_text
 
         sys.stdout.write(tail_text(path, lines))
         sys.stdout.flush()
@@ -118,7 +116,7 @@ def plot(
     ] = None,
 ) -> None:
     """Plot train/eval loss, learning rate, gradient norm and tokens/s against step (PNG)."""
-    from runner.plot import PlotError, plot_run
+    from m3run.runner.plot import PlotError, plot_run
 
     run_dir = run_dir_of(run)
     try:
@@ -143,7 +141,7 @@ def checkpoints(
 ) -> None:
     """List a run's checkpoints with completeness. Exit 1 when there are checkpoints and none of
     them is complete; torn leftovers are listed, not fatal."""
-    from runner.checkpoint.layout import format_checkpoint_table, list_checkpoints
+    from m3run.runner.checkpoint.layout import format_checkpoint_table, list_checkpoints
 
     infos = list_checkpoints(run_dir_of(run), verify=verify)
     if as_json:
@@ -162,7 +160,7 @@ def list_(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """The runs under ./runs/ (or $M3RUN_RUNS): phase, step, loss, last update."""
-    from runner import runstate
+    from m3run.runner import runstate
 
     rows = runstate.list_runs()
     typer.echo(json.dumps(rows, indent=2) if as_json else runstate.format_runs(rows))

@@ -18,8 +18,8 @@ config.yaml is read with `load_frozen_config`: a key added after the run was fro
 This module must stay torch-free: the supervisor and the light CLI commands import it.
 """
 
-from runner.config.base import ConfigError
-from runner.config.loading import (
+from m3run.runner.config.base import ConfigError
+from m3run.runner.config.loading import (
     LEGACY_VALUES,
     apply_overrides,
     config_hash,
@@ -28,8 +28,8 @@ from runner.config.loading import (
     load_frozen_config,
     parse_config,
 )
-from runner.config.runtime import DistributedConfig, SupervisorConfig
-from runner.config.schema import (
+from m3run.runner.config.runtime import DistributedConfig, SupervisorConfig
+from m3run.runner.config.schema import (
     CheckpointConfig,
     DataConfig,
     DataSourceConfig,

@@ -10,6 +10,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
+from m3run.model.config import PRESETS, ModelConfig
+from m3run.runner.config.base import (
+    ConfigError,
+    _Section,
+    check_preset_name,
+    did_you_mean,
+)
+from m3run.runner.config.runtime import DistributedConfig, SupervisorConfig
 from pydantic import (
     Field,
     PrivateAttr,
@@ -17,15 +25,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from model.config import PRESETS, ModelConfig
-from runner.config.base import (
-    ConfigError,
-    _Section,
-    check_preset_name,
-    did_you_mean,
-)
-from runner.config.runtime import DistributedConfig, SupervisorConfig
 
 # torch.compile's documented modes that the training step can run; a typo here would otherwise
 # surface only after the worker's (possibly long) startup.

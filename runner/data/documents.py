@@ -13,9 +13,9 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from runner.data.inputs import Input
-from runner.data.manifest import DataError
-from runner.data.readers import BLANK_LINES, BadFile, read_file, record_text
+from m3run.runner.data.inputs import Input
+from m3run.runner.data.manifest import DataError
+from m3run.runner.data.readers import BLANK_LINES, BadFile, read_file, record_text
 
 __all__ = ["Documents", "no_documents_message"]
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.data.manifest import DataError
-from runner.data.readers import file_format
+from m3run.runner.data.manifest import DataError
+from m3run.runner.data.readers import file_format
 
 __all__ = ["Input", "read_inputs_file", "resolve_inputs"]
 

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from runner.data.manifest import DTYPES, FORMAT_VERSION, DataError, is_int, load_manifest
-from runner.data.verify import verify_split
+from m3run.runner.data.manifest import DTYPES, FORMAT_VERSION, DataError, is_int, load_manifest
+from m3run.runner.data.verify import verify_split
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """The on-disk token format both sides share: the manifest, its validation, the shard dtypes.
 
-Layout written by `runner.data.prepare.prepare_data` and read by the loader and the CLI:
+Layout written by `m3run.runner.data.prepare.prepare_data` and read by the loader and the CLI:
 
     <out_dir>/
       tokenizer.json       only for `bpe:<vocab_size>`: the trained tokenizer, reusable by path
@@ -20,8 +20,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from runner.files import sha256_file
+from m3run.runner.files import sha256_file
 
 __all__ = [
     "DTYPES",

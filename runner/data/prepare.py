@@ -1,10 +1,10 @@
 """Offline data preparation: `prepare_data` turns inputs into the train/val token shards.
 
-Documents (`runner.data.documents`) are tokenised in this process or in a pool of spawned
+Documents (`m3run.runner.data.documents`) are tokenised in this process or in a pool of spawned
 processes (the shard bytes do not depend on how many), split by a content hash or at token
 level, written by `ShardWriter` and published with their manifests (format:
-`runner.data.manifest`), which record every input with its document and token counts. Needs only
-numpy, pyarrow and the tokenizer libraries, never torch.
+`m3run.runner.data.manifest`), which record every input with its document and token counts.
+Needs only numpy, pyarrow and the tokenizer libraries, never torch.
 """
 
 from __future__ import annotations
@@ -21,15 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from runner.data.documents import Documents, no_documents_message
-from runner.data.inputs import Input, read_inputs_file, resolve_inputs
-from runner.data.manifest import DTYPES, FORMAT, FORMAT_VERSION, MANIFEST_NAME, SPLITS, DataError
-from runner.data.progress import Progress
-from runner.data.readers import BLANK_LINES
-from runner.data.shards import ShardWriter, move_document, move_tail, publish
-from runner.data.tokenizer import Tokenizer, parse_bpe_spec, train_bpe
-from runner.files import sha256_file
+from m3run.runner.data.documents import Documents, no_documents_message
+from m3run.runner.data.inputs import Input, read_inputs_file, resolve_inputs
+from m3run.runner.data.manifest import (
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    SPLITS,
+    DataError,
+)
+from m3run.runner.data.progress import Progress
+from m3run.runner.data.readers import BLANK_LINES
+from m3run.runner.data.shards import ShardWriter, move_document, move_tail, publish
+from m3run.runner.data.tokenizer import Tokenizer, parse_bpe_spec, train_bpe
+from m3run.runner.files import sha256_file
 
 __all__ = ["VAL_SPLITS", "prepare_data"]
 
@@ -297,7 +303,7 @@ def prepare_data(
 ) -> dict:
     """Tokenise `inputs` into `out_dir/train` and `out_dir/val` token shards; returns a summary.
 
-    inputs: `LOCATION[:FIELD]` items (see `runner.data.inputs`): text files, JSON Lines
+    inputs: `LOCATION[:FIELD]` items (see `m3run.runner.data.inputs`): text files, JSON Lines
       (.jsonl, .gz/.zst), JSON arrays, parquet and Arrow files, folders and globs of them
       (each text file one document, hidden entries skipped), HF `save_to_disk` folders,
       `hf:<folder>` (through `datasets`, the hf extra), or `stdlib` (this Python's standard

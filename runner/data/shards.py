@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
-from runner.data.manifest import MANIFEST_NAME
-from runner.files import atomic_write_text
+from m3run.runner.data.manifest import MANIFEST_NAME
+from m3run.runner.files import atomic_write_text
 
 __all__ = ["ShardWriter", "move_document", "move_tail", "publish"]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.data.manifest import DataError, load_manifest
+from m3run.runner.data.manifest import DataError, load_manifest
 
 __all__ = [
     "EOS_CANDIDATES",

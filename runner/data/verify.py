@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-
-from runner.data.manifest import DTYPES, DataError
-from runner.files import atomic_write_text
+from m3run.runner.data.manifest import DTYPES, DataError
+from m3run.runner.files import atomic_write_text
 
 __all__ = ["default_cache_dir", "verify_split"]
 

@@ -1,4 +1,4 @@
-"""`python -m runner.health`: a human GPU check (exit 69 when a GPU is unhealthy), and, with
+"""`python -m m3run.runner.health`: a human GPU check (exit 69 when a GPU is unhealthy), and, with
 ``--probe-json``, the probe child itself. Torch-free."""
 
 from __future__ import annotations
@@ -8,13 +8,17 @@ import json
 import sys
 from collections.abc import Sequence
 
-from runner.health.checks import DEFAULT_MIN_FREE_MEM_MIB, DEFAULT_TEMP_LIMIT_C, check_gpu_health
-from runner.health.probe import DEFAULT_TIMEOUT_S, PROBE_MODES, probe_main
+from m3run.runner.health.checks import (
+    DEFAULT_MIN_FREE_MEM_MIB,
+    DEFAULT_TEMP_LIMIT_C,
+    check_gpu_health,
+)
+from m3run.runner.health.probe import DEFAULT_TIMEOUT_S, PROBE_MODES, probe_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m runner.health",
+        prog="python -m m3run.runner.health",
         description="Check the GPUs; exit 69 when a GPU is unhealthy.",
     )
     parser.add_argument("--probe-json", action="store_true", help="(internal) the probe child")

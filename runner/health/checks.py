@@ -1,11 +1,11 @@
 """The GPU health gate the supervisor runs before a launch and before every restart.
 
-The probe child (`runner.health.probe`) reads NVML; this module turns its readings into
+The probe child (`m3run.runner.health.probe`) reads NVML; this module turns its readings into
 :class:`Finding`\\ s and a :class:`Verdict`: ``healthy`` · ``warn`` (run, but look: hot,
 throttled, a non-critical XID) · ``unhealthy`` (do not run here: exit
-:data:`runner.protocol.EXIT_UNAVAILABLE`, replace the node) · ``no_gpu`` (no NVIDIA driver or no
-devices: the run proceeds on CPU). It also answers which processes hold GPU memory, for the
-supervisor's wait before a restart. Torch-free.
+:data:`m3run.runner.protocol.EXIT_UNAVAILABLE`, replace the node) · ``no_gpu`` (no NVIDIA
+driver or no devices: the run proceeds on CPU). It also answers which processes hold GPU
+memory, for the supervisor's wait before a restart. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from runner.health.findings import Finding, device_findings, nvml_unavailable
-from runner.health.nvml import mib
-from runner.health.probe import DEFAULT_TIMEOUT_S, ProbeError, run_probe
-from runner.protocol import EXIT_UNAVAILABLE
+from m3run.runner.health.findings import Finding, device_findings, nvml_unavailable
+from m3run.runner.health.nvml import mib
+from m3run.runner.health.probe import DEFAULT_TIMEOUT_S, ProbeError, run_probe
+from m3run.runner.protocol import EXIT_UNAVAILABLE
 
 __all__ = [
     "DEFAULT_MIN_FREE_MEM_MIB",

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from runner.health.nvml import (
+from m3run.runner.health.nvml import (
     FAKE_NVML_ENV,
     MIB,
     NVML_EVENT_TYPE_XID_CRITICAL,

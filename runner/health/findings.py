@@ -1,7 +1,7 @@
 """One function per check: a device's probe readings in, a :class:`Finding` out. Torch-free.
 
-`runner.health.checks.evaluate` runs them over every wanted device and folds their statuses into
-the verdict.
+`m3run.runner.health.checks.evaluate` runs them over every wanted device and folds their
+statuses into the verdict.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from runner.health.nvml import (
+from m3run.runner.health.nvml import (
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_GPU_NOT_FOUND,
@@ -20,7 +20,7 @@ from runner.health.nvml import (
     THROTTLE_REASONS,
     mib,
 )
-from runner.health.probe import XID_WAIT_MS
+from m3run.runner.health.probe import XID_WAIT_MS
 
 __all__ = ["CRITICAL_XIDS", "Finding", "Status", "device_findings", "nvml_unavailable"]
 

@@ -1,7 +1,7 @@
 """NVML's ABI values and names, shared by the probe child, its fake and the checks. Torch-free.
 
-The probe passes these to whichever backend `runner.health.probe.load_nvml` returned: the real
-``pynvml`` or, when ``M3RUN_FAKE_NVML`` names a JSON file, `runner.health.fake_nvml.FakeNVML`.
+The probe passes these to whichever backend `m3run.runner.health.probe.load_nvml` returned: the real
+``pynvml`` or, when ``M3RUN_FAKE_NVML`` names a JSON file, `m3run.runner.health.fake_nvml.FakeNVML`.
 """
 
 from __future__ import annotations

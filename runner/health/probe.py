@@ -2,7 +2,7 @@
 
 NVML can hang on a sick GPU (a wedged driver blocks the calling thread in the kernel), so the
 supervisor never talks to NVML itself. Every question goes to a short-lived child,
-``python -m runner.health --probe-json``, which prints one JSON document of raw readings
+``python -m m3run.runner.health --probe-json``, which prints one JSON document of raw readings
 (:func:`probe`); :func:`run_probe` starts it, and a child that outlives its timeout is killed
 and reported as :class:`ProbeError` ``hung``.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
-from runner.health.nvml import (
+from m3run.runner.health.nvml import (
     FAKE_NVML_ENV,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_TIMEOUT,
@@ -36,7 +36,9 @@ from runner.health.nvml import (
     NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
     NVML_VOLATILE_ECC,
 )
-from runner.procs import signal_group
+from m3run.runner.procs import signal_group
+
+import m3run
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -56,7 +58,9 @@ DEFAULT_TIMEOUT_S = 20.0
 # the kernel log. The wait is short because it is paid on every launch and restart.
 XID_WAIT_MS = 200
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# The directory holding the m3run package (a checkout's root, or site-packages): the probe
+# child's working directory, so that it imports this very code.
+_PACKAGE_ROOT = Path(m3run.__file__).resolve().parents[1]
 PROBE_MODES = ("health", "snapshot", "processes")
 _STDERR_TAIL_CHARS = 2000
 _REAP_S = 2.0
@@ -67,7 +71,7 @@ def load_nvml() -> Any:
     JSON file, otherwise the real ``pynvml`` module (ImportError if nvidia-ml-py is missing)."""
     fake = os.environ.get(FAKE_NVML_ENV)
     if fake:
-        from runner.health.fake_nvml import FakeNVML
+        from m3run.runner.health.fake_nvml import FakeNVML
 
         return FakeNVML.from_file(fake)
     import pynvml
@@ -330,7 +334,7 @@ def _resolve_fake(fake: str | os.PathLike[str] | None) -> str | None:
     path = fake if fake is not None else os.environ.get(FAKE_NVML_ENV)
     if not path:
         return None
-    from runner.health.fake_nvml import FakeNVML
+    from m3run.runner.health.fake_nvml import FakeNVML
 
     resolved = str(Path(path).resolve())
     FakeNVML.from_file(resolved)
@@ -342,7 +346,7 @@ def run_probe(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     fake: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
-    """Run ``python -m runner.health --probe-json`` and return its document.
+    """Run ``python -m m3run.runner.health --probe-json`` and return its document.
 
     Raises :class:`ProbeError` when the child outlives ``timeout_s`` (it is killed), exits
     non-zero or prints no JSON; ``ValueError`` for a bad ``mode``/``timeout_s``/fake file.
@@ -355,8 +359,8 @@ def run_probe(
     fake_path = _resolve_fake(fake)
     if fake_path:
         env[FAKE_NVML_ENV] = fake_path
-    cmd = [sys.executable, "-m", "runner.health", "--probe-json", "--mode", mode]
-    # cwd = the directory holding the `runner` package, so the child imports this very code.
+    cmd = [sys.executable, "-m", "m3run.runner.health", "--probe-json", "--mode", mode]
+    # cwd = the directory holding the `m3run` package, so the child imports this very code.
     proc = subprocess.Popen(
         cmd,
         cwd=_PACKAGE_ROOT,
@@ -410,7 +414,7 @@ def run_probe(
         raise ProbeError(
             "bad_output",
             f"NVML probe printed no valid JSON document ({exc}); stdout began {out[:200]!r}, "
-            f"stderr tail:\n{_tail(err) or '(empty)'}\nFix: run `python -m runner.health "
+            f"stderr tail:\n{_tail(err) or '(empty)'}\nFix: run `python -m m3run.runner.health "
             f"--probe-json` by hand on this node to see what else writes to stdout.",
         ) from None
     return doc

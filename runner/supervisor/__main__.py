@@ -1,4 +1,4 @@
-"""`python -m runner.supervisor run CONFIG --run-dir DIR ...`: the supervisor process that
+"""`python -m m3run.runner.supervisor run CONFIG --run-dir DIR ...`: the supervisor process that
 `m3run launch --detach` starts. Users run `m3run launch`."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from runner.supervisor.launch import LaunchOptions, launch
+from m3run.runner.supervisor.launch import LaunchOptions, launch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.supervisor")
+    parser = argparse.ArgumentParser(prog="python -m m3run.runner.supervisor")
     sub = parser.add_subparsers(dest="cmd", required=True)
     run_p = sub.add_parser("run", help="supervise a run (what `m3run launch --detach` starts)")
     run_p.add_argument("config", type=Path)

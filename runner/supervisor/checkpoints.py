@@ -14,13 +14,13 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.layout import (
     META_FILE,
     CheckpointInfo,
     list_checkpoints,
     verify_checkpoint,
 )
-from runner.supervisor.events import EventLog
+from m3run.runner.supervisor.events import EventLog
 
 Key = tuple[int, int]
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-
-from runner.files import RunDirWriteError, append_jsonl, open_append
-from runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
+from m3run.runner.files import RunDirWriteError, append_jsonl, open_append
+from m3run.runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
 
 LOG_FORMATS = ("text", "json")
 

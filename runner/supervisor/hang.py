@@ -25,16 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.files import read_json
-from runner.protocol import (
+from m3run.runner.files import read_json
+from m3run.runner.protocol import (
     FINAL_WORKER_PHASES,
     HEARTBEAT_FILE,
     RANK_HEARTBEAT_GLOB,
     Heartbeat,
     WorkerPhase,
 )
-from runner.supervisor.events import EventLog
-from runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.settings import SupervisorSettings
 
 # Worker phases that precede training (None: no heartbeat yet, or a phase this supervisor does
 # not know); the first two are calibrated from observed startups.

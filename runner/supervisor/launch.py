@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from runner.checkpoint.layout import list_checkpoints
-from runner.config import (
+from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.config import (
     ConfigError,
     config_hash,
     keep_legacy_values,
     load_config,
     load_frozen_config,
 )
-from runner.files import (
+from m3run.runner.files import (
     PidLock,
     append_jsonl,
     atomic_write_text,
@@ -30,8 +29,8 @@ from runner.files import (
     read_json,
     refuse_symlinks,
 )
-from runner.procs import spawn_logged
-from runner.protocol import (
+from m3run.runner.procs import spawn_logged
+from m3run.runner.protocol import (
     CONFIG_FILE,
     EVENTS_FILE,
     EXIT_CONFIG,
@@ -44,12 +43,12 @@ from runner.protocol import (
     SUPERVISOR_LOG,
     WORKER_EXIT_GLOB,
 )
-from runner.schedule import lr_at
-from runner.supervisor.preflight import NvmlProbe, SmokeTest
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.supervisor import Supervisor
-from runner.supervisor.worker import worker_argv
-from runner.tracking import tracker_problem
+from m3run.runner.schedule import lr_at
+from m3run.runner.supervisor.preflight import NvmlProbe, SmokeTest
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.supervisor import Supervisor
+from m3run.runner.supervisor.worker import worker_argv
+from m3run.runner.tracking import tracker_problem
 
 
 class LaunchError(Exception):
@@ -291,7 +290,7 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
     argv = [
         sys.executable,
         "-m",
-        "runner.supervisor",
+        "m3run.runner.supervisor",
         "run",
         str(Path(opts.config).absolute()),
         "--run-dir",

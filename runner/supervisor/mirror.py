@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.layout import (
     DATA_FILES,
     DEL_PREFIX,
     META_FILE,
@@ -63,8 +63,8 @@ from runner.checkpoint.layout import (
     step_of_dirname,
     verify_checkpoint,
 )
-from runner.files import fsync_path, read_json
-from runner.protocol import CHECKPOINTS_DIR
+from m3run.runner.files import fsync_path, read_json
+from m3run.runner.protocol import CHECKPOINTS_DIR
 
 log = logging.getLogger(__name__)
 

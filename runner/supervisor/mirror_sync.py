@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from runner.supervisor.events import EventLog
-from runner.supervisor.mirror import Mirror
-from runner.supervisor.mirror_upload import MirrorUploader
-from runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.mirror import Mirror
+from m3run.runner.supervisor.mirror_upload import MirrorUploader
+from m3run.runner.supervisor.settings import SupervisorSettings
 
 
 class MirrorSync:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.layout import META_FILE, checkpoint_dir
-from runner.files import atomic_write_json, read_json
-from runner.supervisor.mirror import MIRROR_FILE, Mirror, local_complete
+from m3run.runner.checkpoint.layout import META_FILE, checkpoint_dir
+from m3run.runner.files import atomic_write_json, read_json
+from m3run.runner.supervisor.mirror import MIRROR_FILE, Mirror, local_complete
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar
 
-from runner.protocol import Heartbeat
+from m3run.runner.protocol import Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Before a worker runs: the GPU health gate (NVML through runner.health, no torch, no CUDA
 context) and the preflight smoke test, which imports torch and so runs as a child process
-(`python -m runner.worker.smoke`) whose verdict comes back in smoke.json. `Preflight` runs the
+(`python -m m3run.runner.worker.smoke`) whose verdict comes back in smoke.json. `Preflight` runs the
 two in order at a launch and says how the run ends if one fails."""
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner.files import read_json
-from runner.health.checks import Verdict
-from runner.procs import LogTail, signal_group, spawn_logged
-from runner.protocol import EXIT_CONFIG, EXIT_UNAVAILABLE, SMOKE_FILE, WORKER_LOG, SmokeVerdict
-from runner.supervisor.events import EventLog
-from runner.supervisor.hang import VramWatch
-from runner.supervisor.settings import SupervisorSettings
+from m3run.runner.files import read_json
+from m3run.runner.health.checks import Verdict
+from m3run.runner.procs import LogTail, signal_group, spawn_logged
+from m3run.runner.protocol import (
+    EXIT_CONFIG,
+    EXIT_UNAVAILABLE,
+    SMOKE_FILE,
+    WORKER_LOG,
+    SmokeVerdict,
+)
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.hang import VramWatch
+from m3run.runner.supervisor.settings import SupervisorSettings
 
 _VRAM_POLL_S = 5.0
 
@@ -54,17 +60,17 @@ class NvmlProbe:
         self.timeout_s = timeout_s
 
     def check(self, allowed_pids: list[int]) -> HealthReport:
-        from runner.health.checks import check_gpu_health
+        from m3run.runner.health.checks import check_gpu_health
 
         return check_gpu_health(self.timeout_s, allowed_pids=allowed_pids)
 
     def process_memory(self, pid: int) -> int | None:
-        from runner.health.checks import process_gpu_memory
+        from m3run.runner.health.checks import process_gpu_memory
 
         return process_gpu_memory(pid)
 
     def wait_released(self, pids: list[int], timeout_s: float) -> bool | None:
-        from runner.health.checks import wait_gpu_memory_released
+        from m3run.runner.health.checks import wait_gpu_memory_released
 
         return wait_gpu_memory_released(pids, timeout_s)
 
@@ -267,7 +273,7 @@ class SmokeTest:
         argv = [
             sys.executable,
             "-m",
-            "runner.worker.smoke",
+            "m3run.runner.worker.smoke",
             str(self.config_path),
             "--run-dir",
             str(run_dir),

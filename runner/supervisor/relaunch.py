@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runner.protocol import EXIT_SOFTWARE, SupervisorPhase
-from runner.supervisor.events import EventLog
-from runner.supervisor.preflight import GpuWatch, Preflight, PreflightEnd
-from runner.supervisor.restarts import RestartPolicy
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.state import StateFile
+from m3run.runner.protocol import EXIT_SOFTWARE, SupervisorPhase
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.preflight import GpuWatch, Preflight, PreflightEnd
+from m3run.runner.supervisor.restarts import RestartPolicy
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.state import StateFile
 
 
 class Relaunch:

@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.procs import describe_exit
-from runner.protocol import EXIT_NAN, EXIT_STOPPED
-from runner.supervisor.checkpoints import CheckpointTracker, LrCut
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.worker import Outcome
+from m3run.runner.procs import describe_exit
+from m3run.runner.protocol import EXIT_NAN, EXIT_STOPPED
+from m3run.runner.supervisor.checkpoints import CheckpointTracker, LrCut
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.worker import Outcome
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.config import CheckpointConfig, LogConfig, SupervisorConfig
+from m3run.runner.config import CheckpointConfig, LogConfig, SupervisorConfig
 
 
 def _default(section: type, name: str) -> Any:

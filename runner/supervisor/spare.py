@@ -4,7 +4,7 @@ A restarted worker spends its first seconds in process start and imports (torch,
 kernels, torch's compile stack: about 9 s of a 26.7 s warm restart on an H200 host, which
 takes 10.1 s with a spare, docs/benchmarks.md), work that does not depend on why or where the
 run resumes. So once a worker has trained two steps past the one it resumed from (past its
-start and compile), the supervisor starts its successor as ``python -m runner.train
+start and compile), the supervisor starts its successor as ``python -m m3run.runner.train
 --standby`` (runner/worker/standby.py): it imports all of that, then blocks reading its stdin.
 When the supervisor restarts the worker it writes the attempt's header to worker.log and the
 worker's arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes
@@ -33,11 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.procs import signal_group, spawn_logged
-from runner.protocol import STANDBY_ARG, WORKER_LOG, WorkerPhase
+from m3run.runner.procs import signal_group, spawn_logged
+from m3run.runner.protocol import STANDBY_ARG, WORKER_LOG, WorkerPhase
 
 # The spare's command line: the worker's module with the one standby argument.
-SPARE_ARGV = (sys.executable, "-m", "runner.train", STANDBY_ARG)
+SPARE_ARGV = (sys.executable, "-m", "m3run.runner.train", STANDBY_ARG)
 
 
 class WarmSpare:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runner.files import RunDirWriteError, atomic_write_text
-from runner.procs import create_time
-from runner.protocol import EXIT_CONFIG, STATE_FILE, RunState, SupervisorPhase
-from runner.supervisor.settings import SupervisorSettings
+from m3run.runner.files import RunDirWriteError, atomic_write_text
+from m3run.runner.procs import create_time
+from m3run.runner.protocol import EXIT_CONFIG, STATE_FILE, RunState, SupervisorPhase
+from m3run.runner.supervisor.settings import SupervisorSettings
 
 _REFRESH_S = 2.0  # updated_at is refreshed at least this often while the supervisor watches
 _RESERVE = 4096  # blank bytes after the JSON: room for a longer final state written in place

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.files import read_json
-from runner.procs import describe_exit
-from runner.protocol import (
+from m3run.runner.files import read_json
+from m3run.runner.procs import describe_exit
+from m3run.runner.protocol import (
     EXIT_OK,
     EXIT_STOPPED,
     STOP_REQUEST_FILE,
@@ -24,7 +24,7 @@ from runner.protocol import (
 )
 
 if TYPE_CHECKING:
-    from runner.supervisor.events import EventLog
+    from m3run.runner.supervisor.events import EventLog
 
 USER = "user"
 PREEMPTED = "preempted"

@@ -49,9 +49,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.files import RunDirWriteError, read_json
-from runner.procs import describe_exit
-from runner.protocol import (
+from m3run.runner.files import RunDirWriteError, read_json
+from m3run.runner.procs import describe_exit
+from m3run.runner.protocol import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_SOFTWARE,
@@ -62,17 +62,17 @@ from runner.protocol import (
     SupervisorPhase,
     WorkerPhase,
 )
-from runner.supervisor.checkpoints import CheckpointTracker, LrCut
-from runner.supervisor.events import EventLog
-from runner.supervisor.hang import HangDetector, VramWatch
-from runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
-from runner.supervisor.relaunch import Relaunch
-from runner.supervisor.restarts import diagnose
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.spare import SparePolicy
-from runner.supervisor.state import StateFile, end_unwritable
-from runner.supervisor.stops import PREEMPTED, StopControl, StopDelivery
-from runner.supervisor.worker import (
+from m3run.runner.supervisor.checkpoints import CheckpointTracker, LrCut
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.hang import HangDetector, VramWatch
+from m3run.runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
+from m3run.runner.supervisor.relaunch import Relaunch
+from m3run.runner.supervisor.restarts import diagnose
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.spare import SparePolicy
+from m3run.runner.supervisor.state import StateFile, end_unwritable
+from m3run.runner.supervisor.stops import PREEMPTED, StopControl, StopDelivery
+from m3run.runner.supervisor.worker import (
     Outcome,
     WorkerArgv,
     WorkerProcess,
@@ -214,7 +214,7 @@ class Supervisor:
     # ----------------------------------------------------------------- signals & preemption
 
     def _start_preemption_watcher(self) -> None:
-        from runner.supervisor.preemption import start_watcher
+        from m3run.runner.supervisor.preemption import start_watcher
 
         def on_stop(detail: str) -> None:
             self.request_stop(PREEMPTED, detail)
@@ -229,8 +229,8 @@ class Supervisor:
         training from scratch."""
         if not self.s.mirror_url:
             return None
-        from runner.supervisor.mirror import MirrorError
-        from runner.supervisor.mirror_sync import MirrorSync
+        from m3run.runner.supervisor.mirror import MirrorError
+        from m3run.runner.supervisor.mirror_sync import MirrorSync
 
         self._mirror = MirrorSync(self.s, self.run_dir, self.log)
         try:

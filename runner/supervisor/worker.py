@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-from runner.files import lock_holder, read_json
-from runner.procs import (
+from m3run.runner.files import lock_holder, read_json
+from m3run.runner.procs import (
     LogTail,
     append_header,
     command_line,
@@ -27,7 +26,7 @@ from runner.procs import (
     spawn_logged,
     terminate_then_kill,
 )
-from runner.protocol import (
+from m3run.runner.protocol import (
     CONFIG_FILE,
     EXIT_CONFIG,
     EXIT_NAN,
@@ -41,25 +40,25 @@ from runner.protocol import (
     WORKER_LOG,
     WorkerExit,
 )
-from runner.supervisor.events import EventLog
-from runner.supervisor.spare import WarmSpare
+from m3run.runner.supervisor.events import EventLog
+from m3run.runner.supervisor.spare import WarmSpare
 
 # (resume, lr_scale) -> argv
 WorkerArgv = Callable[[str, float], list[str]]
 
 
 def worker_argv(run_dir: Path, distributed: Any = None, start_over: bool = False) -> WorkerArgv:
-    """The real worker: `python -m runner.train RUN_DIR/config.yaml --run-dir RUN_DIR --resume R
-    [--lr-scale F]`, through torchrun when the config's `distributed` section asks for more than
-    one process (torchrun never restarts on its own: the supervisor does). `start_over` (a
-    launch with `--resume none --force`) passes `--force` with `--resume none`: the worker then
-    moves existing checkpoints aside instead of refusing to start from scratch."""
+    """The real worker: `python -m m3run.runner.train RUN_DIR/config.yaml --run-dir RUN_DIR --resume
+    R [--lr-scale F]`, through torchrun when the config's `distributed` section asks for more than
+    one process (torchrun never restarts on its own: the supervisor does). `start_over` (a launch
+    with `--resume none --force`) passes `--force` with `--resume none`: the worker then moves
+    existing checkpoints aside instead of refusing to start from scratch."""
 
     def build(resume: str, lr_scale: float) -> list[str]:
         argv = [
             sys.executable,
             "-m",
-            "runner.train",
+            "m3run.runner.train",
             str(run_dir / CONFIG_FILE),
             "--run-dir",
             str(run_dir),
@@ -97,9 +96,9 @@ def worker_argv(run_dir: Path, distributed: Any = None, start_over: bool = False
                 "--rdzv-id",
                 d.rdzv_id or Path(run_dir).absolute().name,
             ]
-        # torchrun runs each rank as `python -m runner.worker.rank <worker args>`, which
+        # torchrun runs each rank as `python -m m3run.runner.worker.rank <worker args>`, which
         # records the rank's exit code (torchrun itself exits 1 on any failure).
-        return [*launcher, "-m", "runner.worker.rank", *argv[3:]]
+        return [*launcher, "-m", "m3run.runner.worker.rank", *argv[3:]]
 
     return build
 

@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-from kernels.mamba3 import BackendUnavailableError, local_plans, resolve_backend
-from model import Mamba3LM
-from model.lm import compile_options, param_groups
-from runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
-from runner.files import atomic_write_text
-from runner.protocol import CONFIG_FILE
+from m3run.kernels.mamba3 import BackendUnavailableError, local_plans, resolve_backend
+from m3run.model import Mamba3LM
+from m3run.model.lm import compile_options, param_groups
+from m3run.runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
+from m3run.runner.files import atomic_write_text
+from m3run.runner.protocol import CONFIG_FILE
 
 from .dist import Dist
 
 if TYPE_CHECKING:
-    from kernels.mamba3.tuning import Shape
+    from m3run.kernels.mamba3.tuning import Shape
 
 
 def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
@@ -124,7 +123,7 @@ def scan_shape(cfg: RunConfig, device: torch.device) -> Shape:
     """The scan call a training step of ``cfg`` makes on ``device``, as the launch-plan tuner
     takes it: the micro-batch's windows, the model's heads and state, the autocast dtype, and
     resets where documents are packed."""
-    from kernels.mamba3.tuning import Shape  # Triton's kernels: imported where they run
+    from m3run.kernels.mamba3.tuning import Shape  # Triton's kernels: imported where they run
 
     m = cfg.model
     dtype = precision_dtype(cfg, device) or torch.float32

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-
-from runner import __version__
-from runner.checkpoint import io as ckpt_io
-from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError, RunConfig, config_hash
-from runner.data.loader import BatchLoader
-from runner.data.manifest import DataError
-from runner.protocol import WorkerPhase
+from m3run.runner import __version__
+from m3run.runner.checkpoint import io as ckpt_io
+from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.config import ConfigError, RunConfig, config_hash
+from m3run.runner.data.loader import BatchLoader
+from m3run.runner.data.manifest import DataError
+from m3run.runner.protocol import WorkerPhase
 
 from .dist import Dist
 from .faults import Faults

@@ -7,8 +7,7 @@ import datetime
 import os
 
 import torch
-
-from runner.config import ConfigError, RunConfig
+from m3run.runner.config import ConfigError, RunConfig
 
 
 class Dist:

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.checkpoint import layout as ckpt
-from runner.config import TrainConfig
+from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.config import TrainConfig
 
 from .dist import Dist
 
 if TYPE_CHECKING:
-    from runner.data.loader import WindowStream
+    from m3run.runner.data.loader import WindowStream
 
     from .checkpointing import Checkpointer
     from .telemetry import Telemetry

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.protocol import FAULT_ENV
+from m3run.runner.protocol import FAULT_ENV
 
 HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 

@@ -1,4 +1,4 @@
-"""The training worker: `m3run train CONFIG --run-dir DIR` / `python -m runner.train ...`.
+"""The training worker: `m3run train CONFIG --run-dir DIR` / `python -m m3run.runner.train ...`.
 
 Builds the model, the optimizer, the schedule and the data stream from a `RunConfig`, resumes
 from a checkpoint when asked, trains, and leaves everything the supervisor watches in the run
@@ -17,11 +17,11 @@ import time
 import traceback
 from pathlib import Path
 
-from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError, keep_legacy_values, load_config, load_frozen_config
-from runner.data.manifest import DataError
-from runner.files import describe_os_error
-from runner.protocol import (
+from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.config import ConfigError, keep_legacy_values, load_config, load_frozen_config
+from m3run.runner.data.manifest import DataError
+from m3run.runner.files import describe_os_error
+from m3run.runner.protocol import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     EXIT_CONFIG,
@@ -151,7 +151,7 @@ def _save_failed(trainer: Trainer | None, e: ckpt.CheckpointError) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runner.train", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m m3run.runner.train", description=__doc__)
     p.add_argument("config", help="YAML recipe (e.g. configs/demo_cpu.yaml)")
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

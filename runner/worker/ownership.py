@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.config import ConfigError
-from runner.files import PidLock, lock_holder
-from runner.protocol import LOCK_FILE, SUPERVISOR_PID_ENV, WORKER_LOCK_FILE
+from m3run.runner.config import ConfigError
+from m3run.runner.files import PidLock, lock_holder
+from m3run.runner.protocol import LOCK_FILE, SUPERVISOR_PID_ENV, WORKER_LOCK_FILE
 
 
 def claim_run_dir(run_dir: Path) -> PidLock:

@@ -1,4 +1,4 @@
-"""torchrun's entry for each rank: `python -m runner.worker.rank <worker args>`.
+"""torchrun's entry for each rank: `python -m m3run.runner.worker.rank <worker args>`.
 
 Runs the worker in this process, then records the rank's protocol exit code in
 RUN_DIR/worker_exit.local<LOCAL_RANK>.json, since torchrun itself exits 1 whatever its ranks'
@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from runner.files import atomic_write_json
-from runner.procs import exit_now
-from runner.protocol import WorkerExit, worker_exit_file
+from m3run.runner.files import atomic_write_json
+from m3run.runner.procs import exit_now
+from m3run.runner.protocol import WorkerExit, worker_exit_file
 
 from .main import main as worker_main
 

@@ -17,9 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError
-from runner.protocol import CHECKPOINTS_DIR, WorkerPhase
+from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.config import ConfigError
+from m3run.runner.protocol import CHECKPOINTS_DIR, WorkerPhase
 
 from .checkpointing import Checkpointer, UnloadableCheckpoint
 from .dist import Dist

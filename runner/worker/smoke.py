@@ -1,10 +1,10 @@
 """Preflight smoke test (`m3run smoke CONFIG`): numbered checks, each proving one layer.
 
-The supervisor runs it before the first worker starts, as a child process:
-`python -m runner.worker.smoke CONFIG --run-dir RUN_DIR` runs the checks and writes the verdict
-to RUN_DIR/smoke.json; a failing check stops the launch with that check's message. On CPU the
-checks that need a GPU are reported as skipped, with why. Device, precision, model and optimizer
-are built as the trainer builds them (runner.worker.build).
+The supervisor runs it before the first worker starts, as a child process: `python -m
+m3run.runner.worker.smoke CONFIG --run-dir RUN_DIR` runs the checks and writes the verdict to
+RUN_DIR/smoke.json; a failing check stops the launch with that check's message. On CPU the checks
+that need a GPU are reported as skipped, with why. Device, precision, model and optimizer are built
+as the trainer builds them (runner.worker.build).
 
 The checkpoint round trip (check 7) is disk and hashing work on a CPU copy of the fresh model:
 it starts on a thread as soon as check 3 has built the model and runs beside checks 3–6 (the
@@ -36,18 +36,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
-from kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
-from model import Mamba3LM
-from runner.checkpoint import io as ckpt_io
-from runner.checkpoint import layout as ckpt
-from runner.config import ConfigError, RunConfig, load_config
-from runner.data.loader import check_vocab
-from runner.data.manifest import DataError, load_manifest
-from runner.data.mixture import train_loader
-from runner.files import atomic_write_json
-from runner.procs import exit_now
-from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
+from m3run.kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
+from m3run.model import Mamba3LM
+from m3run.runner.checkpoint import io as ckpt_io
+from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.config import ConfigError, RunConfig, load_config
+from m3run.runner.data.loader import check_vocab
+from m3run.runner.data.manifest import DataError, load_manifest
+from m3run.runner.data.mixture import train_loader
+from m3run.runner.files import atomic_write_json
+from m3run.runner.procs import exit_now
+from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
 
 from .build import (
     autocast,
@@ -224,9 +223,9 @@ class _Smoke:
                 return ""
         except BackendUnavailableError:
             return ""  # check 4 says why
-        from kernels.mamba3 import launching as lp
-        from kernels.mamba3 import triton_common as tc
-        from kernels.mamba3 import tuning
+        from m3run.kernels.mamba3 import launching as lp
+        from m3run.kernels.mamba3 import triton_common as tc
+        from m3run.kernels.mamba3 import tuning
 
         shape = scan_shape(c, self.device)
         if lp.has_tuned_plan(self.device, shape.p, shape.n, m.chunk_size, shape.dtype):
@@ -293,7 +292,7 @@ class _Smoke:
         here, at launch, with the command that tunes them)."""
         if self.backend != "triton":
             return ""
-        from kernels.mamba3.launching import plan_source
+        from m3run.kernels.mamba3.launching import plan_source
 
         shape = scan_shape(self.cfg, self.device)  # the shape check 3's tune took
         source = plan_source(self.device, shape.p, shape.n, self.cfg.model.chunk_size, shape.dtype)
@@ -330,7 +329,7 @@ class _Smoke:
             args["reset"][:, [5, m.chunk_size]] = True
         if backend == "pytorch":
             # The reference is what runs: check it against the token-by-token ground truth.
-            from kernels.mamba3 import mamba3_siso_recurrent
+            from m3run.kernels.mamba3 import mamba3_siso_recurrent
 
             ref = mamba3_siso_recurrent(**args).float()
             other, label = (
@@ -538,7 +537,7 @@ def _verdict(result: SmokeResult) -> SmokeVerdict:
 
 def main(argv: list[str] | None = None) -> int:
     """The supervisor's smoke child: run the checks, write smoke.json, exit 0 or 78."""
-    p = argparse.ArgumentParser(prog="python -m runner.worker.smoke", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m m3run.runner.worker.smoke", description=__doc__)
     p.add_argument("config", type=Path)
     p.add_argument("--run-dir", type=Path, required=True)
     a = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The worker as a warm spare (runner/supervisor/spare.py): ``python -m runner.train --standby``.
+"""The worker as a warm spare (runner/supervisor/spare.py): ``python -m m3run.runner.train
+--standby``.
 
 Imported with the worker (torch, the model, the kernels), it imports torch's compile stack too,
 in this thread (no background import, so no race with the setup: runner/worker/preimport.py),

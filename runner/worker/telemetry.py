@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from runner.config import ConfigError, RunConfig
-from runner.files import append_jsonl, atomic_write_json
-from runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
-from runner.runstate import format_duration
-from runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
+from m3run.runner.config import ConfigError, RunConfig
+from m3run.runner.files import append_jsonl, atomic_write_json
+from m3run.runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
+from m3run.runner.runstate import format_duration
+from m3run.runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
 
 from .dist import Dist
 

@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-
-from runner.config import RunConfig
-from runner.data.loader import WindowStream, check_vocab, eval_batches
-from runner.data.mixture import train_loader
-from runner.files import PidLock
-from runner.procs import create_time
-from runner.protocol import EXIT_OK, WorkerPhase
-from runner.schedule import lr_at
+from m3run.runner.config import RunConfig
+from m3run.runner.data.loader import WindowStream, check_vocab, eval_batches
+from m3run.runner.data.mixture import train_loader
+from m3run.runner.files import PidLock
+from m3run.runner.procs import create_time
+from m3run.runner.protocol import EXIT_OK, WorkerPhase
+from m3run.runner.schedule import lr_at
 
 from . import standby
 from .build import (
@@ -67,7 +66,7 @@ class Trainer:
 
     # Off: each step's first forward is queued only after the step before has been read (see
     # _runs_ahead); for the benchmark's comparison, bench_train.py --variant
-    # NAME:@runner.worker.trainer.Trainer.RUN_AHEAD=0.
+    # NAME:@m3run.runner.worker.trainer.Trainer.RUN_AHEAD=0.
     RUN_AHEAD = True
 
     def __init__(

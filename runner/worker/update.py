@@ -38,7 +38,7 @@ class GuardedUpdate:
 
     # Off: the host reads the two numbers before the update whatever the optimizer; for the
     # benchmark's comparison, bench_train.py --variant
-    # NAME:@runner.worker.update.GuardedUpdate.IN_KERNEL=0.
+    # NAME:@m3run.runner.worker.update.GuardedUpdate.IN_KERNEL=0.
     IN_KERNEL = True
 
     def __init__(
@@ -125,7 +125,7 @@ class LayeredStep:
 
     # Off: one step() on the main stream even where the trainer hands over the layers; for
     # the benchmark's comparison, bench_train.py --variant
-    # NAME:@runner.worker.update.LayeredStep.ON=0.
+    # NAME:@m3run.runner.worker.update.LayeredStep.ON=0.
     ON = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, layers: list[list[Tensor]]):

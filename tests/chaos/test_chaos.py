@@ -21,10 +21,9 @@ import psutil
 import pytest
 from helpers.launching import INTERVAL, TOTAL_STEPS, Run, overrides
 from helpers.runs import worker_env
-
-from runner.checkpoint.layout import list_checkpoints
-from runner.files import read_jsonl
-from runner.protocol import (
+from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import (
     EVENTS_FILE,
     EXIT_OK,
     EXIT_SOFTWARE,
@@ -99,7 +98,7 @@ def test_sigkill_worker_three_times_ends_bitwise_equal(corpus, reference, tmp_pa
 
 
 def _spares_of(supervisor_pid: int) -> list[psutil.Process]:
-    """The warm spares (`python -m runner.train --standby`) that supervisor started, alive."""
+    """The warm spares (`python -m m3run.runner.train --standby`) that supervisor started, alive."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):

@@ -17,10 +17,9 @@ from helpers.launching import Run, overrides
 from helpers.runs import tiny_run_overrides
 from helpers.supervision import hold_lock
 from helpers.training import run_worker
-
-from runner.checkpoint.layout import UNUSABLE_FILE, checkpoint_dir, list_checkpoints
-from runner.files import read_jsonl
-from runner.protocol import (
+from m3run.runner.checkpoint.layout import UNUSABLE_FILE, checkpoint_dir, list_checkpoints
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
     EXIT_OK,

@@ -15,17 +15,16 @@ import pytest
 from helpers.launching import Run, overrides
 from helpers.runs import REPO, worker_env
 from helpers.supervision import unrelated_process
-
-from runner.checkpoint.layout import list_checkpoints
-from runner.files import read_jsonl
-from runner.protocol import EVENTS_FILE, EXIT_OK, FAULT_ENV, STATE_FILE
+from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import EVENTS_FILE, EXIT_OK, FAULT_ENV, STATE_FILE
 
 pytestmark = pytest.mark.slow
 
 
 def m3run_stop(run_dir, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "runner.cli", "stop", str(run_dir), *args],
+        [sys.executable, "-m", "m3run.runner.cli", "stop", str(run_dir), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

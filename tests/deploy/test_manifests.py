@@ -19,17 +19,16 @@ from pathlib import Path
 import pytest
 import typer.main
 import yaml
-from typer.testing import CliRunner
-
-from runner.cli import app
-from runner.config import load_config
-from runner.protocol import (
+from m3run.runner.cli import app
+from m3run.runner.config import load_config
+from m3run.runner.protocol import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_SOFTWARE,
     EXIT_STOPPED,
     EXIT_UNAVAILABLE,
 )
+from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "configs/pretrain_a100_434m.yaml"

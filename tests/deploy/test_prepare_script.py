@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from runner.config import load_config
-from runner.protocol import EXIT_CONFIG
+from m3run.runner.config import load_config
+from m3run.runner.protocol import EXIT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "docker" / "prepare-a100-data"

@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from m3run.runner.files import read_json
+from m3run.runner.protocol import HEARTBEAT_FILE, STATE_FILE
+
 from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
-from runner.files import read_json
-from runner.protocol import HEARTBEAT_FILE, STATE_FILE
 
 TOTAL_STEPS = 24
 INTERVAL = 4
@@ -39,7 +40,7 @@ def overrides(corpus: Path, **extra) -> list[str]:
 
 def launch_argv(run_dir: Path, sets: list[str], *extra: str) -> list[str]:
     """`m3run launch` of the demo recipe into `run_dir` with `--set` overrides, then `extra`."""
-    argv = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG)]
+    argv = [sys.executable, "-m", "m3run.runner.cli", "launch", str(DEMO_CONFIG)]
     argv += ["--run-dir", str(run_dir), *extra]
     for kv in sets:
         argv += ["--set", kv]

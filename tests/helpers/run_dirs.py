@@ -11,10 +11,9 @@ import time
 from pathlib import Path
 
 import psutil
+from m3run.runner.cli import app
+from m3run.runner.protocol import HEARTBEAT_FILE, METRICS_FILE, STATE_FILE
 from typer.testing import CliRunner
-
-from runner.cli import app
-from runner.protocol import HEARTBEAT_FILE, METRICS_FILE, STATE_FILE
 
 _cli = CliRunner()
 

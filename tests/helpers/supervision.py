@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import EVENTS_FILE, STATE_FILE
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.supervisor import Supervisor
+
 from helpers.runs import REPO
-from runner.files import read_json, read_jsonl
-from runner.protocol import EVENTS_FILE, STATE_FILE
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.supervisor import Supervisor
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin_worker.py"
@@ -106,7 +107,7 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 
 LOCK_HOLDER = (
     "import sys, time\n"
-    "from runner.files import PidLock\n"
+    "from m3run.runner.files import PidLock\n"
     "assert PidLock(sys.argv[1]).acquire() is None\n"
     "print('locked', flush=True)\n"
     "time.sleep(120)\n"

@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from runner.supervisor.launch import RunLock
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.supervisor import Supervisor
+from m3run.runner.supervisor.launch import RunLock
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.supervisor import Supervisor
 
 
 def main() -> None:

@@ -8,9 +8,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-
-from runner.data.manifest import load_manifest
-from runner.data.tokenizer import EOS_TEXT, load_tokenizer
+from m3run.runner.data.manifest import load_manifest
+from m3run.runner.data.tokenizer import EOS_TEXT, load_tokenizer
 
 # Multi-byte characters and code-like symbols, so byte-level BPE has something to merge.
 WORDS = ["the", "a", "cat", "sat", "on", "mat", "über", "naïve", "数据", "alpha", "beta"]

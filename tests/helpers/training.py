@@ -9,15 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+from m3run.runner.checkpoint.layout import latest_complete
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import METRICS_FILE
+
 from helpers.runs import DEMO_CONFIG, worker_env
-from runner.checkpoint.layout import latest_complete
-from runner.files import read_jsonl
-from runner.protocol import METRICS_FILE
 
 
 def worker_cmd(run_dir: Path, overrides: list[str], *extra: str) -> list[str]:
-    """`python -m runner.train` on the demo recipe with `--set` overrides, then `extra`."""
-    cmd = [sys.executable, "-m", "runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
+    """`python -m m3run.runner.train` on the demo recipe with `--set` overrides, then `extra`."""
+    cmd = [sys.executable, "-m", "m3run.runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
     return cmd + list(extra)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels import add_rms_norm as op
+from m3run.kernels import add_rms_norm as op
 
 EPS = 1e-5
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import interpret_scan  # noqa: F401  (importing it patches the interpreter's loop bounds)
 import torch
-
-from kernels import cross_entropy
-from model.loss import LinearCrossEntropy
+from m3run.kernels import cross_entropy
+from m3run.model.loss import LinearCrossEntropy
 
 
 def run(hidden, weight, targets, n_classes, kernel: bool):

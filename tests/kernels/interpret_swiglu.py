@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from kernels import swiglu
+from m3run.kernels import swiglu
 
 
 def reference(gu, w):

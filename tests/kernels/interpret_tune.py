@@ -17,9 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import interpret_scan  # noqa: F401  (the interpreter's patches, as for the scan's runs)
 import torch
-
-from kernels.mamba3 import launching as lp
-from kernels.mamba3 import local_plans, tuning
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import local_plans, tuning
 
 C = lp.LaunchConfig
 CANDIDATES = {  # the second of each changes the launch's grid or flags: recorded afresh

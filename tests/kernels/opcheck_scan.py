@@ -14,8 +14,7 @@ from __future__ import annotations
 import interpret_scan
 import torch
 import torch.nn.functional as F
-
-from kernels.mamba3 import triton_siso as ts
+from m3run.kernels.mamba3 import triton_siso as ts
 
 CASES = [
     dict(b=1, t=24, h=2, p=16, n=16, s=4, g=1, z=True, d=True, reset=17, compile=True),

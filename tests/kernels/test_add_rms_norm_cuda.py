@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from model.config import ModelConfig
-from model.layers import RMSNorm
-from model.lm import Block
+from m3run.model.config import ModelConfig
+from m3run.model.layers import RMSNorm
+from m3run.model.lm import Block
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,7 +44,7 @@ def inputs(d=1024 + 40):  # not a power of two: the column mask
 
 
 def test_the_operator_is_as_accurate_as_the_plain_add_and_norm_and_deterministic():
-    from kernels.add_rms_norm import add_rms_norm
+    from m3run.kernels.add_rms_norm import add_rms_norm
 
     x, delta, w, g_s, g_n = inputs()
     exact = grads(plain, x.double(), delta.double(), w.double(), g_s.double(), g_n.double())
@@ -63,7 +62,7 @@ def test_the_operator_is_as_accurate_as_the_plain_add_and_norm_and_deterministic
 
 
 def test_a_block_takes_the_operator_under_the_triton_backend(monkeypatch):
-    import kernels.add_rms_norm as op
+    import m3run.kernels.add_rms_norm as op
 
     cfg = ModelConfig.preset("tiny", scan_backend="triton")
     torch.manual_seed(0)

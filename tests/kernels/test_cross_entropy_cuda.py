@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model.loss import IGNORE_INDEX, linear_cross_entropy
+from m3run.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 pytestmark = [
     pytest.mark.cuda,

@@ -11,13 +11,12 @@ import logging
 
 import pytest
 import torch
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import local_plans
+from m3run.kernels.mamba3 import triton_common as tc
+from m3run.kernels.mamba3.launch_table import TABLE
+from m3run.runner.cli import app
 from typer.testing import CliRunner
-
-from kernels.mamba3 import launching as lp
-from kernels.mamba3 import local_plans
-from kernels.mamba3 import triton_common as tc
-from kernels.mamba3.launch_table import TABLE
-from runner.cli import app
 
 CUDA = torch.device("cuda")  # a device object only: plan_for reads its type, arch_key is patched
 ENTRY = {

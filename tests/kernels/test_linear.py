@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.linear import linear_rows, linear_rows_bwd_op, linear_rows_op
+from m3run.kernels.linear import linear_rows, linear_rows_bwd_op, linear_rows_op
 
 CUDA = [
     pytest.mark.cuda,
@@ -114,10 +113,10 @@ def test_gpu_bf16_with_an_fp32_weight_matches_autocast_and_is_deterministic(size
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_gpu_the_models_products_take_the_operator_under_the_triton_backend(device, monkeypatch):
-    import kernels.linear as op
-    import model.layers as layers
-    from model.config import ModelConfig
-    from model.lm import Block
+    import m3run.kernels.linear as op
+    import m3run.model.layers as layers
+    from m3run.model.config import ModelConfig
+    from m3run.model.lm import Block
 
     cfg = ModelConfig.preset("tiny", scan_backend="triton")
     torch.manual_seed(0)

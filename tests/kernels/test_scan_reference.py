@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.scan_inputs import make_inputs, rel, slice_time
-
-from kernels.mamba3 import (
+from m3run.kernels.mamba3 import (
     BackendUnavailableError,
     mamba3_siso,
     mamba3_siso_recurrent,
@@ -191,11 +190,11 @@ def test_triton_backend_is_an_error_not_a_fallback_when_unavailable():
 
 
 def test_auto_backend_runs_on_cpu_and_logs_choice_once(caplog):
-    import kernels.mamba3.api as api
+    import m3run.kernels.mamba3.api as api
 
     api._auto_logged.clear()
     x = make_inputs(t=8)
-    with caplog.at_level("INFO", logger="kernels.mamba3.api"):
+    with caplog.at_level("INFO", logger="m3run.kernels.mamba3.api"):
         mamba3_siso(**x, backend="auto")
         mamba3_siso(**x, backend="auto")
     lines = [r.message for r in caplog.records if "backend auto" in r.message]

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.scan_inputs import F64, make_inputs, rel, slice_time
-
-from kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent, zero_state
+from m3run.kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent, zero_state
 
 B, T, H, P, N, S = 2, 29, 3, 4, 8, 2
 CHUNK = 8

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from model.layers import SwiGLU
+from m3run.model.layers import SwiGLU
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,7 +33,7 @@ def rel(a, b):
 
 
 def test_fused_swiglu_is_as_accurate_as_the_plain_module_and_deterministic():
-    from kernels.swiglu import swiglu_down
+    from m3run.kernels.swiglu import swiglu_down
 
     torch.manual_seed(0)
     hidden, d_model = 1536 + 40, 256  # not a multiple of the kernel's column block

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels.mamba3 import triton_report
+from m3run.kernels.mamba3 import triton_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -113,8 +113,7 @@ def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monk
     come from torch.compile's trace of the scan's caller (a log call breaks the graph: a block's
     one graph became eight on an H200), but from the first call that runs."""
     import torch
-
-    from kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import launching as lp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(lp, "arch_key", lambda device: "sm_none")  # an architecture not tuned

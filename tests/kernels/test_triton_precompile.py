@@ -10,12 +10,11 @@ import threading
 
 import pytest
 import torch
-
-from kernels.mamba3 import api, mamba3_siso
-from kernels.mamba3 import launching as lp
-from kernels.mamba3.triton_precompile import Launch, precompile, scan_launches
-from model.config import ModelConfig
-from model.mixer import Mamba3Mixer
+from m3run.kernels.mamba3 import api, mamba3_siso
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3.triton_precompile import Launch, precompile, scan_launches
+from m3run.model.config import ModelConfig
+from m3run.model.mixer import Mamba3Mixer
 
 CUDA = [
     pytest.mark.cuda,

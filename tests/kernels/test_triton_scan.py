@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.scan_inputs import slice_time as _slice
-
-from kernels.mamba3 import mamba3_siso
+from m3run.kernels.mamba3 import mamba3_siso
 
 pytestmark = [
     pytest.mark.cuda,
@@ -303,8 +302,8 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     over the blocks of p before it is rounded), and so the bias gradients (summed from those
     bf16 partials at one head a program, in fp32 at several), the rest within 1e-3 (the same
     arithmetic, compiled in loops); and two calls are bitwise equal."""
-    from kernels.mamba3 import launching as lp
-    from kernels.mamba3 import triton_siso
+    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import triton_siso
 
     x = make_inputs(t=1000, g=1)
     st = make_state(2, 4, 64, 64, 16)
@@ -336,11 +335,11 @@ def test_no_grad_forward_equals_training_forward():
 
 
 def test_auto_backend_picks_triton_on_cuda(caplog):
-    import kernels.mamba3.api as api
+    import m3run.kernels.mamba3.api as api
 
     api._auto_logged.clear()
     x = make_inputs(t=64)
-    with caplog.at_level(logging.INFO, logger="kernels.mamba3.api"):
+    with caplog.at_level(logging.INFO, logger="m3run.kernels.mamba3.api"):
         y_auto = mamba3_siso(**x, backend="auto")
     assert any("auto -> triton" in r.message for r in caplog.records)
     assert torch.equal(y_auto, mamba3_siso(**x, backend="triton"))

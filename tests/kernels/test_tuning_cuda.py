@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.mamba3 import launching as lp
-from kernels.mamba3 import tuning
+from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import tuning
 
 pytestmark = [
     pytest.mark.cuda,

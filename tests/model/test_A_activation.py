@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from m3run.model import Mamba3LM, ModelConfig
+from m3run.model.mixer import A_ACTIVATIONS, Mamba3Mixer
 from safetensors.torch import save_file
-
-from model import Mamba3LM, ModelConfig
-from model.mixer import A_ACTIVATIONS, Mamba3Mixer
 
 F64 = torch.float64
 ACTIVATIONS = ["heavy_tail", "softplus"]

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from m3run.model import PRESETS, Mamba3LM, ModelConfig
+from m3run.model.lm import document_starts, param_groups, sample
+from m3run.model.loss import linear_cross_entropy
 from pydantic import ValidationError
-
-from model import PRESETS, Mamba3LM, ModelConfig
-from model.lm import document_starts, param_groups, sample
-from model.loss import linear_cross_entropy
 
 F64 = torch.float64
 
@@ -67,7 +66,7 @@ def test_in_proj_as_two_products_equals_one_product_split():
     """Mamba3Mixer._in_proj: the outputs (z and x together, then the rest) and the gradients of
     the input and the weight equal those of one product split, and the weight keeps its one
     (width, d_model) shape."""
-    from model.mixer import Mamba3Mixer
+    from m3run.model.mixer import Mamba3Mixer
 
     torch.manual_seed(0)
     cfg = tiny()
@@ -95,7 +94,7 @@ def test_the_deferred_residual_add_computes_what_the_block_adding_its_own_does(m
     """Block.forward leaves its MLP output for the next block's first norm to add: the loss and
     every gradient equal, bitwise, those of blocks that add their own output (the switch off),
     and with a model whose blocks are ``x + mixer(...); x + mlp(...)`` written out."""
-    from model.lm import Block
+    from m3run.model.lm import Block
 
     torch.manual_seed(0)
     model = Mamba3LM(tiny(n_layers=3))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model import Mamba3LM, ModelConfig
+from m3run.model import Mamba3LM, ModelConfig
 
 pytestmark = [
     pytest.mark.cuda,

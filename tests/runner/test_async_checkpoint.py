@@ -22,16 +22,15 @@ import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from helpers.training import train_losses, worker_cmd
-
-from runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
+from m3run.runner.checkpoint.layout import (
     CheckpointError,
     checkpoint_dir,
     latest_complete,
     list_checkpoints,
     verify_checkpoint,
 )
-from runner.files import read_json, read_jsonl
+from m3run.runner.files import read_json, read_jsonl
 
 # --------------------------------------------------------------------------- in process
 
@@ -372,7 +371,7 @@ def test_under_torchrun_every_rank_waits_for_the_background_write(corpus, tmp_pa
     run_dir = tmp_path / "run"
     ov = _overrides(corpus, **{"train.total_steps": 12, "train.grad_accum_steps": 2})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", "0", "-m", "runner.train", str(DEMO_CONFIG),
+           "--max-restarts", "0", "-m", "m3run.runner.train", str(DEMO_CONFIG),
            "--run-dir", str(run_dir)]  # fmt: skip
     for o in ov:
         cmd += ["--set", o]

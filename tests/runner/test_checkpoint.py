@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
+from m3run.runner.checkpoint.layout import (
     VERIFIED_FILE,
     CheckpointError,
     apply_retention,
@@ -30,7 +29,7 @@ from runner.checkpoint.layout import (
     list_checkpoints,
     verify_checkpoint,
 )
-from runner.files import sha256_file
+from m3run.runner.files import sha256_file
 
 
 def _model_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -404,7 +403,7 @@ def test_removing_leftovers_is_logged(tmp_path: Path, caplog) -> None:
     _save(tmp_path, 1)
     leftover = tmp_path / "checkpoints" / ".tmp-my-notes.txt"
     leftover.write_text("a user file that happens to match .tmp-*")
-    with caplog.at_level(logging.WARNING, logger="runner.checkpoint.layout"):
+    with caplog.at_level(logging.WARNING, logger="m3run.runner.checkpoint.layout"):
         _save(tmp_path, 2)
     assert not leftover.exists()
     assert any(str(leftover) in r.getMessage() for r in caplog.records), caplog.text
@@ -475,7 +474,7 @@ def test_discovery_half_never_imports_torch(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
-        import runner.checkpoint.layout as c
+        import m3run.runner.checkpoint.layout as c
         run = {str(tmp_path)!r}
         infos = c.list_checkpoints(run)
         assert [(i.step, i.complete) for i in infos] == [(10, True), (20, False)], infos
@@ -499,8 +498,8 @@ _WRITER = textwrap.dedent(
     """
     import sys
     import torch
-    from runner.checkpoint.layout import apply_retention
-    from runner.checkpoint.io import snapshot, write_checkpoint
+    from m3run.runner.checkpoint.layout import apply_retention
+    from m3run.runner.checkpoint.io import snapshot, write_checkpoint
 
     run_dir, counter = sys.argv[1], int(sys.argv[2])
     n = 1 << 19  # model 8 MiB + optimizer 16 MiB: big enough that a kill lands mid-write

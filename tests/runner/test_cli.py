@@ -17,10 +17,9 @@ from helpers.run_dirs import invoke, write_run
 from helpers.runs import DEMO_CONFIG as DEMO
 from helpers.runs import REPO
 from helpers.supervision import FAST
-
-from runner import runstate
-from runner.files import read_json
-from runner.protocol import (
+from m3run.runner import runstate
+from m3run.runner.files import read_json
+from m3run.runner.protocol import (
     EXIT_CONFIG,
     HEARTBEAT_FILE,
     STATE_FILE,
@@ -28,7 +27,7 @@ from runner.protocol import (
     WORKER_LOG,
     SupervisorPhase,
 )
-from runner.supervisor.launch import RunLock
+from m3run.runner.supervisor.launch import RunLock
 
 
 def test_every_command_has_help():
@@ -279,7 +278,7 @@ def test_light_commands_never_import_torch(tmp_path):
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
-        "from runner.cli import app\n"
+        "from m3run.runner.cli import app\n"
         f"d = {str(run_dir)!r}\n"
         "for args in (['status', d, '--json'], ['status', d], ['stop', d], ['logs', d],\n"
         "             ['health', '--liveness', d], ['health']):\n"
@@ -299,7 +298,7 @@ def test_light_commands_never_import_torch(tmp_path):
 def test_fast_settings_are_plain_config_fields():
     # The stand-in driver passes FAST to SupervisorSettings; all but the internal knobs are
     # real config fields, so what the tests exercise is what a config can set.
-    from runner.config import SupervisorConfig
+    from m3run.runner.config import SupervisorConfig
 
     internal = {"min_heartbeat_timeout_s", "poll_s", "heartbeat_interval_s"}
     assert set(FAST) - internal <= set(SupervisorConfig.model_fields)
@@ -359,7 +358,7 @@ def test_status_names_an_unreadable_state_file(tmp_path):
 
 
 def test_an_empty_step_directory_does_not_fail_checkpoints_for_good(tmp_path):
-    from runner.checkpoint.io import save_checkpoint
+    from m3run.runner.checkpoint.io import save_checkpoint
 
     run_dir = tmp_path / "r"
     run_dir.mkdir()
@@ -395,7 +394,7 @@ def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
     # The run finishes once three frames were read, whatever the machine's pace.
     run_dir = write_run(tmp_path / "r")
     watch = subprocess.Popen(
-        [sys.executable, "-m", "runner.cli", "status", str(run_dir), "--watch", "--interval",
+        [sys.executable, "-m", "m3run.runner.cli", "status", str(run_dir), "--watch", "--interval",
          "0.2", "--no-gpu"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -14,10 +14,9 @@ import psutil
 from helpers.run_dirs import invoke, write_run
 from helpers.runs import REPO
 from helpers.supervision import make_run, spawn_driver, wait_for
-
-from runner import stopping
-from runner.files import read_json, read_jsonl
-from runner.protocol import (
+from m3run.runner import stopping
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import (
     EVENTS_FILE,
     HEARTBEAT_FILE,
     LOCK_FILE,
@@ -79,7 +78,7 @@ def test_stop_force_kills_a_supervisor_that_does_not_stop(tmp_path):
     run_dir.mkdir()
     stubborn = (
         "import signal, sys, time\n"
-        "from runner.files import PidLock\n"
+        "from m3run.runner.files import PidLock\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "assert PidLock(sys.argv[1]).acquire() is None\n"
         "print('locked', flush=True)\n"
@@ -129,7 +128,7 @@ def test_stop_never_takes_a_supervisor_that_just_ended_for_a_dead_one(tmp_path):
     # many rounds put reads in that window.
     prompt = (
         "import json, os, signal, sys, time\n"
-        "from runner.files import PidLock, atomic_write_json\n"
+        "from m3run.runner.files import PidLock, atomic_write_json\n"
         "lock = PidLock(sys.argv[1])\n"
         "assert lock.acquire() is None\n"
         "def stop(*_):\n"

@@ -10,10 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
-
-from model.config import PRESETS, ModelConfig
-from runner.config import (
+from m3run.model.config import PRESETS, ModelConfig
+from m3run.runner.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -23,9 +21,10 @@ from runner.config import (
     load_frozen_config,
     parse_config,
 )
-from runner.files import read_jsonl
-from runner.protocol import EVENTS_FILE
-from runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import EVENTS_FILE
+from m3run.runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
+from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -405,7 +404,7 @@ def test_config_hash_is_stable_and_sensitive():
 
 def test_config_hash_is_the_same_in_another_process():
     code = (
-        "from runner.config import load_config, config_hash;"
+        "from m3run.runner.config import load_config, config_hash;"
         f"print(config_hash(load_config({str(A100)!r})))"
     )
     out = subprocess.run(
@@ -537,7 +536,7 @@ def test_warnings_flag_likely_mistakes():
 
 
 def test_importing_the_config_does_not_import_torch():
-    code = "import runner.config, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import m3run.runner.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", "0", "-m", "runner.train", str(DEMO_CONFIG),
+           "--max-restarts", "0", "-m", "m3run.runner.train", str(DEMO_CONFIG),
            "--run-dir", str(run_dir)]  # fmt: skip
     for o in overrides:
         cmd += ["--set", o]
@@ -64,13 +64,13 @@ def _free_port() -> int:
 def test_two_supervisors_form_a_two_node_job_through_c10d(one, tmp_path):
     """Two hosts simulated on 127.0.0.1: each has its own supervisor and run dir, node 0 hosts
     the rendezvous; both train the same steps and both hold the final checkpoint."""
-    from runner.checkpoint.layout import latest_complete
+    from m3run.runner.checkpoint.layout import latest_complete
 
     one_dir, ov = one
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
     for rank in (0, 1):
-        cmd = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG),
+        cmd = [sys.executable, "-m", "m3run.runner.cli", "launch", str(DEMO_CONFIG),
                "--run-dir", str(tmp_path / f"node{rank}")]  # fmt: skip
         for o in [*ov, "distributed.nnodes=2", f"distributed.node_rank={rank}",
                   f"distributed.rdzv_endpoint={endpoint}", "distributed.rdzv_id=job1",

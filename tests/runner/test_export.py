@@ -9,11 +9,10 @@ import pytest
 import torch
 from helpers.runs import tiny_run_overrides
 from helpers.training import run_worker
+from m3run.model import Mamba3LM
+from m3run.runner.cli import app
+from m3run.runner.data.tokenizer import load_tokenizer
 from typer.testing import CliRunner
-
-from model import Mamba3LM
-from runner.cli import app
-from runner.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The GPU health gate, end to end: every check runs the real probe child
-(`python -m runner.health --probe-json`), against the FakeNVML description each test writes,
+(`python -m m3run.runner.health --probe-json`), against the FakeNVML description each test writes,
 or against the real pynvml of this machine."""
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from runner.health.checks import (
+from m3run.runner.health.checks import (
     HealthReport,
     check_gpu_health,
     gpu_snapshot,
     process_gpu_memory,
     wait_gpu_memory_released,
 )
-from runner.health.nvml import FAKE_NVML_ENV
-from runner.health.probe import ProbeError
-from runner.protocol import EXIT_UNAVAILABLE
+from m3run.runner.health.nvml import FAKE_NVML_ENV
+from m3run.runner.health.probe import ProbeError
+from m3run.runner.protocol import EXIT_UNAVAILABLE
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -281,7 +280,7 @@ def test_fake_is_inherited_through_the_environment(fake, monkeypatch) -> None:
 
 def test_command_line_exit_code_and_json(fake) -> None:
     path = fake({"devices": [{"retired_pages_pending": True}]})
-    cmd = [sys.executable, "-m", "runner.health", "--fake", str(path), "--json"]
+    cmd = [sys.executable, "-m", "m3run.runner.health", "--fake", str(path), "--json"]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert run.returncode == EXIT_UNAVAILABLE, run.stderr
     assert json.loads(run.stdout)["verdict"] == "unhealthy"

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 from helpers.launching import Run, overrides
-
-from runner.files import read_jsonl
-from runner.protocol import EVENTS_FILE, EXIT_OK
-from runner.supervisor.preflight import SmokeTest
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import EVENTS_FILE, EXIT_OK
+from m3run.runner.supervisor.preflight import SmokeTest
 
 
 def _smoke_events(run_dir) -> list[str]:

@@ -13,11 +13,10 @@ import pytest
 import torch
 from helpers.tokens import documents_on_disk
 from helpers.tokens import stream as read_stream
-
-from runner.data.loader import BatchLoader, TokenWindows, check_vocab, eval_batches
-from runner.data.manifest import DataError, load_manifest
-from runner.data.prepare import prepare_data
-from runner.data.verify import verify_split
+from m3run.runner.data.loader import BatchLoader, TokenWindows, check_vocab, eval_batches
+from m3run.runner.data.manifest import DataError, load_manifest
+from m3run.runner.data.prepare import prepare_data
+from m3run.runner.data.verify import verify_split
 
 SHARD_TOKENS = 2000
 

@@ -16,20 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
-from safetensors.torch import load_file
-
-from runner.checkpoint.io import save_checkpoint
-from runner.checkpoint.layout import (
+from m3run.runner.checkpoint.io import save_checkpoint
+from m3run.runner.checkpoint.layout import (
     checkpoint_dir,
     latest_complete,
     list_checkpoints,
     verify_checkpoint,
 )
-from runner.config import ConfigError, load_config
-from runner.files import read_json, read_jsonl
-from runner.protocol import EXIT_STOPPED
-from runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, read_lag
-from runner.supervisor.mirror_upload import MirrorUploader
+from m3run.runner.config import ConfigError, load_config
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import EXIT_STOPPED
+from m3run.runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, read_lag
+from m3run.runner.supervisor.mirror_upload import MirrorUploader
+from safetensors.torch import load_file
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
@@ -342,7 +341,7 @@ def test_mirror_url_round_trips_through_the_resolved_config():
 
 
 def _worker(run_dir: Path, overrides: list[str], env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "m3run.runner.train", str(DEMO_CONFIG), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -387,7 +386,7 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
         )
 
         def launch(run_dir: Path) -> subprocess.Popen:
-            cmd = [sys.executable, "-m", "runner.cli", "launch", str(DEMO_CONFIG)]
+            cmd = [sys.executable, "-m", "m3run.runner.cli", "launch", str(DEMO_CONFIG)]
             cmd += ["--run-dir", str(run_dir)]
             for o in ov:
                 cmd += ["--set", o]
@@ -405,7 +404,15 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
         assert "mirror_upload" in events and "mirror_flush" in events
         status = json.loads(
             subprocess.run(
-                [sys.executable, "-m", "runner.cli", "status", str(node1), "--json", "--no-gpu"],
+                [
+                    sys.executable,
+                    "-m",
+                    "m3run.runner.cli",
+                    "status",
+                    str(node1),
+                    "--json",
+                    "--no-gpu",
+                ],
                 env=env,
                 capture_output=True,
                 text=True,

@@ -13,14 +13,13 @@ import torch
 from helpers.runs import tiny_run_overrides
 from helpers.tokens import text
 from helpers.training import run_worker, sigterm_worker_at, train_losses
+from m3run.runner.checkpoint.layout import latest_complete
+from m3run.runner.data.loader import BatchLoader
+from m3run.runner.data.manifest import DataError
+from m3run.runner.data.mixture import MixtureLoader, Source
+from m3run.runner.data.prepare import prepare_data
+from m3run.runner.files import read_jsonl
 from safetensors.torch import load_file
-
-from runner.checkpoint.layout import latest_complete
-from runner.data.loader import BatchLoader
-from runner.data.manifest import DataError
-from runner.data.mixture import MixtureLoader, Source
-from runner.data.prepare import prepare_data
-from runner.files import read_jsonl
 
 SEQ, MBS = 16, 4
 
@@ -216,7 +215,7 @@ def test_bad_mixes_name_the_problem(sources, build, needle):
 
 
 def test_stride_schedule_shares_stay_within_one_window():
-    from runner.data.mixture import StrideSchedule
+    from m3run.runner.data.mixture import StrideSchedule
 
     weights = [0.50, 0.20, 0.15, 0.10, 0.05]  # the seed recipe's mix
     schedule = StrideSchedule(weights, [None] * 5)

@@ -3,9 +3,9 @@ steps' last records, and marks restarts, rollbacks and config changes."""
 
 from __future__ import annotations
 
-from runner.files import append_jsonl
-from runner.plot import curves, plot_run
-from runner.protocol import EVENTS_FILE, METRICS_FILE
+from m3run.runner.files import append_jsonl
+from m3run.runner.plot import curves, plot_run
+from m3run.runner.protocol import EVENTS_FILE, METRICS_FILE
 
 
 def _train(run_dir, steps, loss_offset: float, t0: float) -> None:

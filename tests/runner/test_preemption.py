@@ -15,8 +15,7 @@ import urllib.request
 
 import pytest
 from helpers.metadata_server import FakeMetadataServer
-
-from runner.supervisor.preemption import (
+from m3run.runner.supervisor.preemption import (
     PROVIDERS,
     Notice,
     PreemptionWatcher,
@@ -201,7 +200,7 @@ def test_detect_provider_rejects_unknown_providers_and_bare_strings() -> None:
 
 def test_unreachable_endpoint_never_raises_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     rec = Recorder()
-    caplog.set_level(logging.WARNING, logger="runner.supervisor.preemption")
+    caplog.set_level(logging.WARNING, logger="m3run.runner.supervisor.preemption")
     watcher = PreemptionWatcher("aws", closed_port_url(), poll_s=0.02, on_notice=rec)
     with watcher:
         time.sleep(0.4)
@@ -218,7 +217,7 @@ def test_a_failing_endpoint_recovers_and_the_notice_still_arrives(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     rec = Recorder()
-    caplog.set_level(logging.WARNING, logger="runner.supervisor.preemption")
+    caplog.set_level(logging.WARNING, logger="m3run.runner.supervisor.preemption")
     with FakeMetadataServer("gcp") as srv:
         srv.fail(503)
         with PreemptionWatcher("gcp", srv.base_url, poll_s=0.02, on_notice=rec):
@@ -275,7 +274,7 @@ def test_provider_none_sends_nothing_and_bad_settings_are_named() -> None:
 
 
 def test_the_save_budget_against_each_providers_notice() -> None:
-    from runner.supervisor.preemption import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
+    from m3run.runner.supervisor.preemption import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
 
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, None) is None  # no checkpoint yet
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, 12.0) is None  # 19.4 s of 30: fits

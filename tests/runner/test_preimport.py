@@ -7,8 +7,7 @@ import time
 
 from helpers.runs import tiny_run_overrides, worker_env
 from helpers.training import run_worker
-
-from runner.worker.preimport import import_in_background
+from m3run.runner.worker.preimport import import_in_background
 
 
 def test_the_modules_are_imported_on_a_daemon_thread_that_returns_at_once():

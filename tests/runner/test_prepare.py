@@ -8,6 +8,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import m3run.runner.data.prepare
 import numpy as np
 import pytest
 from helpers.tokens import (
@@ -17,11 +18,9 @@ from helpers.tokens import (
     tiny_inputs,
     val_fraction_of,
 )
-
-import runner.data.prepare
-from runner.data.loader import BatchLoader
-from runner.data.manifest import DataError, load_manifest
-from runner.data.prepare import prepare_data
+from m3run.runner.data.loader import BatchLoader
+from m3run.runner.data.manifest import DataError, load_manifest
+from m3run.runner.data.prepare import prepare_data
 
 VAL_FRACTION = 0.3
 SHARD_TOKENS = 2000
@@ -137,7 +136,7 @@ def test_output_bytes_do_not_depend_on_workers(prepared, corpus, tmp_path, monke
     out, _ = prepared
     inputs, _, _ = corpus
     # Small work units, so the 32 documents really are spread over both processes.
-    monkeypatch.setattr(runner.data.prepare, "_CHUNK_DOCS", 3)
+    monkeypatch.setattr(m3run.runner.data.prepare, "_CHUNK_DOCS", 3)
     out2 = tmp_path / "two_workers"
     prepare_data(
         [str(p) for p in inputs],

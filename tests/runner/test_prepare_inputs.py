@@ -17,9 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from helpers.tokens import decoded_documents, text
-
-from runner.data.manifest import DataError, load_manifest
-from runner.data.prepare import prepare_data
+from m3run.runner.data.manifest import DataError, load_manifest
+from m3run.runner.data.prepare import prepare_data
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,7 +155,7 @@ def test_hf_prefix_without_the_extra_names_it(tmp_path):
     (tmp_path / "ds").mkdir()
     code = (
         "import sys; sys.modules['datasets'] = None\n"
-        "from runner.cli import app\n"
+        "from m3run.runner.cli import app\n"
         f"app(['prepare-data', 'hf:{tmp_path / 'ds'}', '--out', '{tmp_path / 'o'}', "
         "'--tokenizer', 'bpe:300'])"
     )
@@ -261,7 +260,7 @@ def test_a_folder_of_mixed_formats_reads_every_one(docs, tokenizer, tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner.cli", "prepare-data", *args],
+        [sys.executable, "-m", "m3run.runner.cli", "prepare-data", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -329,8 +328,9 @@ def test_progress_lines_off_a_terminal(docs, tokenizer, tmp_path, capsys):
 
 def test_tokenizer_training_reports_progress_off_a_terminal(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "runner.cli", "prepare-data", "stdlib", "--tokenizer", "bpe:300",
-         "--max-bytes", "200000", "--progress-interval", "0", "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "m3run.runner.cli", "prepare-data", "stdlib", "--tokenizer",
+         "bpe:300", "--max-bytes", "200000", "--progress-interval", "0", "--out",
+         str(tmp_path / "out")],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -346,7 +346,7 @@ def test_tokenizer_training_reports_progress_off_a_terminal(tmp_path):
 def test_a_reader_closed_early_needs_no_zstd_for_a_plain_file(tmp_path, monkeypatch):
     """Stopping a reader part-way (a prepare that has read enough) closes its generator; for a
     plain file that must not import the zstd module, which reading it never needed."""
-    from runner.data.readers import BLANK_LINES, read_file
+    from m3run.runner.data.readers import BLANK_LINES, read_file
 
     path = tmp_path / "a.txt"
     path.write_text("first document\n\nsecond document\n", encoding="utf-8")

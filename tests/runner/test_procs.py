@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import psutil
-
-from runner.procs import process_matches
+from m3run.runner.procs import process_matches
 
 
 def test_a_process_is_known_by_its_create_time_within_a_boot_time_step():

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
-
-from runner.config import load_config
-from runner.worker.trainer import Trainer
-from runner.worker.update import LayeredStep
+from m3run.runner.config import load_config
+from m3run.runner.worker.trainer import Trainer
+from m3run.runner.worker.update import LayeredStep
 
 STEPS = 8
 # On the GPU: bf16, fused AdamW, two micro-batches a step, deterministic kernels.

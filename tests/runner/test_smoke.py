@@ -10,13 +10,12 @@ import sys
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
+from m3run.runner.config import load_config
+from m3run.runner.data.mixture import train_loader
+from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE
+from m3run.runner.worker.build import build_model, compile_for_training
+from m3run.runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 from torch._dynamo.utils import counters
-
-from runner.config import load_config
-from runner.data.mixture import train_loader
-from runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE
-from runner.worker.build import build_model, compile_for_training
-from runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 
 
 def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
@@ -91,7 +90,7 @@ def test_the_smoke_child_leaves_its_verdict_its_output_and_its_exit_code(corpus,
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     child = subprocess.run(
-        [sys.executable, "-m", "runner.worker.smoke", str(config), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "m3run.runner.worker.smoke", str(config), "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     verdict = json.loads((run_dir / SMOKE_FILE).read_text())
@@ -176,9 +175,9 @@ def test_without_train_compile_check_3_says_nothing_of_a_compile(corpus):
 _WORKER_COMPILE = """
 import sys, torch
 from torch._dynamo.utils import counters
-from runner.config import load_config
-from runner.worker.build import autocast, build_model, compile_for_training
-from runner.data.mixture import train_loader
+from m3run.runner.config import load_config
+from m3run.runner.worker.build import autocast, build_model, compile_for_training
+from m3run.runner.data.mixture import train_loader
 
 cfg = load_config(sys.argv[1], sys.argv[2:])
 t = cfg.train
@@ -210,7 +209,8 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
     config = tmp_path / "config.yaml"
     config.write_text(load_config(DEMO_CONFIG, overrides).to_yaml())
     smoke = subprocess.run(
-        [sys.executable, "-m", "runner.worker.smoke", str(config), "--run-dir", str(tmp_path)],
+        [sys.executable, "-m", "m3run.runner.worker.smoke", str(config), "--run-dir",
+         str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr
@@ -235,8 +235,8 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     them, and the kernels run under them; the next smoke test finds them and does not tune. A
     plans file that cannot be written does not stop the launch: check 3 says so, with the fix,
     and the run keeps the defaults."""
-    from kernels.mamba3 import launching as lp
-    from kernels.mamba3 import local_plans, tuning
+    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import local_plans, tuning
 
     C = lp.LaunchConfig
     monkeypatch.setattr(tuning, "CANDIDATES", {

@@ -5,9 +5,8 @@ own: what it does when no arguments come. The hand-over of a run to a spare is a
 from __future__ import annotations
 
 from helpers.runs import worker_env
-
-from runner.protocol import WORKER_LOG
-from runner.supervisor.spare import WarmSpare
+from m3run.runner.protocol import WORKER_LOG
+from m3run.runner.supervisor.spare import WarmSpare
 
 
 def test_a_spare_told_nothing_exits_quietly_and_is_not_taken(tmp_path):

@@ -27,10 +27,14 @@ from helpers.supervision import (
     unrelated_process,
     wait_for,
 )
-
-from runner.checkpoint.layout import META_FILE, VERIFIED_FILE, checkpoint_dir, list_checkpoints
-from runner.files import read_json, read_jsonl
-from runner.protocol import (
+from m3run.runner.checkpoint.layout import (
+    META_FILE,
+    VERIFIED_FILE,
+    checkpoint_dir,
+    list_checkpoints,
+)
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
     EXIT_OK,
@@ -46,10 +50,10 @@ from runner.protocol import (
     Heartbeat,
     SupervisorPhase,
 )
-from runner.supervisor.checkpoints import CheckpointTracker
-from runner.supervisor.hang import HangDetector
-from runner.supervisor.launch import LaunchError, RunLock
-from runner.supervisor.supervisor import Supervisor
+from m3run.runner.supervisor.checkpoints import CheckpointTracker
+from m3run.runner.supervisor.hang import HangDetector
+from m3run.runner.supervisor.launch import LaunchError, RunLock
+from m3run.runner.supervisor.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -515,7 +519,7 @@ def test_gpu_gate_before_restart_waits_for_memory_release(tmp_path, standin):
 
 
 def test_real_health_probe_with_fake_nvml_unhealthy(tmp_path, standin, monkeypatch):
-    from runner.supervisor.preflight import NvmlProbe
+    from m3run.runner.supervisor.preflight import NvmlProbe
 
     fake = tmp_path / "nvml.json"
     fake.write_text(json.dumps({"devices": [{"ecc_uncorrected": 4}]}))

@@ -23,21 +23,20 @@ from helpers.supervision import (
     supervise,
     wait_for,
 )
-
-from runner import runstate
-from runner.checkpoint.layout import list_checkpoints
-from runner.files import read_json, read_jsonl
-from runner.protocol import (
+from m3run.runner import runstate
+from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import (
     EVENTS_FILE,
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_STOPPED,
     STATE_FILE,
 )
-from runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
-from runner.supervisor.settings import SupervisorSettings
-from runner.supervisor.supervisor import Supervisor
-from runner.supervisor.worker import ranks_exit_code
+from m3run.runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
+from m3run.runner.supervisor.settings import SupervisorSettings
+from m3run.runner.supervisor.supervisor import Supervisor
+from m3run.runner.supervisor.worker import ranks_exit_code
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,14 +114,14 @@ def test_a_stale_local_rank_heartbeat_is_a_hang(tmp_path, standin):
 
 
 def test_worker_command_line_single_process_and_torchrun(tmp_path):
-    from runner.config import DistributedConfig
-    from runner.supervisor.worker import worker_argv
+    from m3run.runner.config import DistributedConfig
+    from m3run.runner.supervisor.worker import worker_argv
 
     single = worker_argv(tmp_path)("latest", 1.0)
     assert single == [
         sys.executable,
         "-m",
-        "runner.train",
+        "m3run.runner.train",
         str(tmp_path / "config.yaml"),
         "--run-dir",
         str(tmp_path),
@@ -136,7 +135,7 @@ def test_worker_command_line_single_process_and_torchrun(tmp_path):
     assert two[two.index("--max-restarts") + 1] == "0"
     assert two[-7:] == [
         "-m",
-        "runner.worker.rank",
+        "m3run.runner.worker.rank",
         str(tmp_path / "config.yaml"),
         "--run-dir",
         str(tmp_path),
@@ -214,7 +213,7 @@ def test_supervisor_settings_defaults_match_the_config_schema():
     """The supervisor's own defaults (used when it is driven without a config file) are the
     config schema's, field by field, so the two cannot drift apart."""
 
-    from runner.config import CheckpointConfig, LogConfig, SupervisorConfig
+    from m3run.runner.config import CheckpointConfig, LogConfig, SupervisorConfig
 
     fields = {f.name: f.default for f in dataclasses.fields(SupervisorSettings)}
     schema = {name: f.default for name, f in SupervisorConfig.model_fields.items()}
@@ -292,9 +291,9 @@ def test_console_is_one_format_with_utc_timestamps_worker_lines_included(
 
 
 def test_extending_a_finished_run_warns_how_the_learning_rate_jumps(tmp_path, capsys):
-    from runner.checkpoint.io import save_checkpoint
-    from runner.config import load_config
-    from runner.schedule import lr_at
+    from m3run.runner.checkpoint.io import save_checkpoint
+    from m3run.runner.config import load_config
+    from m3run.runner.schedule import lr_at
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -13,10 +13,9 @@ import pytest
 from helpers.launching import launch_argv
 from helpers.runs import REPO, tiny_run_overrides, worker_env
 from helpers.training import run_worker
-
-from runner.files import read_jsonl
-from runner.protocol import EXIT_CONFIG, METRICS_FILE
-from runner.tracking import resolve_tracker, tracker_problem
+from m3run.runner.files import read_jsonl
+from m3run.runner.protocol import EXIT_CONFIG, METRICS_FILE
+from m3run.runner.tracking import resolve_tracker, tracker_problem
 
 
 def test_the_environment_overrides_the_configured_tracker():

@@ -12,12 +12,11 @@ import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from helpers.training import run_worker, sigterm_worker_at, train_losses
+from m3run.runner.checkpoint.layout import latest_complete, list_checkpoints
+from m3run.runner.config import load_config
+from m3run.runner.files import read_jsonl
+from m3run.runner.schedule import lr_at
 from safetensors.torch import load_file
-
-from runner.checkpoint.layout import latest_complete, list_checkpoints
-from runner.config import load_config
-from runner.files import read_jsonl
-from runner.schedule import lr_at
 
 pytestmark = pytest.mark.slow
 

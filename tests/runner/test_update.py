@@ -10,8 +10,7 @@ import copy
 
 import pytest
 import torch
-
-from runner.worker.update import GuardedUpdate
+from m3run.runner.worker.update import GuardedUpdate
 
 CUDA = [
     pytest.mark.cuda,
