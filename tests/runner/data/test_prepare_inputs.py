@@ -20,7 +20,7 @@ from helpers.tokens import decoded_documents, text
 from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.prepare import prepare_data
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

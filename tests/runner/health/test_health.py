@@ -27,7 +27,7 @@ from m3run.runner.health.probe import ProbeError
 from m3run.runner.protocol import EXIT_UNAVAILABLE
 
 MIB = 1024 * 1024
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from m3run.runner.protocol import EVENTS_FILE
 from m3run.runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
 from pydantic import BaseModel
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("*.yml"))
 A100 = CONFIGS / "pretrain_a100_434m.yaml"

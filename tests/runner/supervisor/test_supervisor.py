@@ -55,7 +55,7 @@ from m3run.runner.supervisor.hang import HangDetector
 from m3run.runner.supervisor.launch import LaunchError, RunLock
 from m3run.runner.supervisor.supervisor import Supervisor
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------- outcomes

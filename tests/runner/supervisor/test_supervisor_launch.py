@@ -38,7 +38,7 @@ from m3run.runner.supervisor.settings import SupervisorSettings
 from m3run.runner.supervisor.supervisor import Supervisor
 from m3run.runner.supervisor.worker import ranks_exit_code
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------- config freezing

@@ -190,7 +190,7 @@ def _fake_tracker(tmp_path: Path, body: str) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "wandb.py").write_text(body)
-    pythonpath = os.pathsep.join([str(site), str(Path(__file__).parents[2])])
+    pythonpath = os.pathsep.join([str(site), str(Path(__file__).parents[3])])
     return worker_env(WANDB_PROJECT="m3", PYTHONPATH=pythonpath)
 
 
