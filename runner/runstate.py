@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from m3run.runner.files import lock_holder, read_json
+from m3run.runner.formatting import format_duration
 from m3run.runner.procs import owns_lock, process_matches, tail_text
 from m3run.runner.protocol import (
     ACTIVE_PHASES,
@@ -409,16 +410,6 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def format_duration(seconds: Any) -> str:
-    """1h02m, 3m07s, 42s; "-" for anything that is not a finite, non-negative number."""
-    if not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
-        return "-"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def _fmt_num(value: Any, spec: str) -> str:

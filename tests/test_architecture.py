@@ -21,6 +21,7 @@ TORCH_FREE = (
     "m3run.runner.health",
     "m3run.runner.protocol",
     "m3run.runner.files",
+    "m3run.runner.formatting",
     "m3run.runner.procs",
     "m3run.runner.config",
     "m3run.runner.runstate",
