@@ -3,7 +3,9 @@
 This is what `m3run status`, `m3run logs`, `m3run stop` (runner/stopping.py) and the container
 liveness check see.
 Torch-free and GPU-free: it reads files and asks the OS (psutil) whether recorded pids still
-belong to the processes that wrote them.
+belong to the processes that wrote them. It imports only the shared torch-free modules, never
+the supervisor's or health's: what `m3run status` adds from those (the mirror's lag, the GPU
+rows) and how it lays a status out are the CLI's (runner/cli/report.py).
 """
 
 from __future__ import annotations
@@ -122,26 +124,6 @@ def list_runs(root: Path | None = None) -> list[dict]:
             }
         )
     return sorted(rows, key=lambda r: r["updated_at"] or 0.0, reverse=True)
-
-
-def format_runs(rows: list[dict]) -> str:
-    if not rows:
-        return f"no runs under {runs_root_dir()}/"
-    table = [("RUN", "PHASE", "STEP", "LOSS", "UPDATED")]
-    for r in rows:
-        step = f"{r['step']}/{r['total_steps']}" if r["step"] is not None else "-"
-        updated = (
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(r["updated_at"]))
-            if r["updated_at"]
-            else "-"
-        )
-        table.append((Path(r["run_dir"]).name, str(r["phase"] or "-"), step,
-                      _fmt_num(r["loss"], ".4f"), updated))  # fmt: skip
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]
-        for row in table
-    )
 
 
 def _names(runs_root: Path) -> str:
@@ -268,8 +250,9 @@ def _last_complete_checkpoint(run_dir: Path) -> int | None:
 # --------------------------------------------------------------------------- status
 
 
-def collect_status(run_dir: Path, gpu: bool = False) -> dict:
-    """Everything `m3run status` shows, as one JSON-ready dict."""
+def collect_status(run_dir: Path) -> dict:
+    """What the run dir and the process table say about a run, as one JSON-ready dict: all of
+    `m3run status` but the mirror's lag and the GPU rows (runner.cli.report adds those)."""
     run_dir = Path(run_dir)
     found, phase = settled_phase(run_dir, by_lock=False)
     state = found or RunState()
@@ -330,13 +313,8 @@ def collect_status(run_dir: Path, gpu: bool = False) -> dict:
         "started_at": state.started_at,
         "updated_at": state.updated_at,
     }
-    from m3run.runner.supervisor.mirror import read_lag
-
-    status["mirror"] = read_lag(run_dir)  # None without a checkpoint mirror
     if phase == SupervisorPhase.FAILED:
         status["error"] = _error_tail(run_dir)
-    if gpu:
-        status["gpu"] = _gpu_snapshot()
     return status
 
 
@@ -350,20 +328,6 @@ def _error_tail(run_dir: Path, lines: int = 8) -> list[str]:
     starts = [i for i, line in enumerate(tail) if line.startswith("error:")]
     picked = tail[starts[-1] :] if starts else tail[-lines:]
     return picked[:lines]
-
-
-def _gpu_snapshot() -> list[dict] | dict | None:
-    """Util/memory/temperature per GPU (runner.health's probe child), None without a GPU."""
-    from dataclasses import asdict
-
-    from m3run.runner.health.checks import gpu_snapshot
-    from m3run.runner.health.probe import ProbeError
-
-    try:
-        snap = gpu_snapshot(timeout_s=5.0)
-    except ProbeError as e:  # a sick GPU must not break `m3run status`
-        return {"error": f"GPU probe failed: {e}"}
-    return [asdict(d) for d in snap] or None
 
 
 # --------------------------------------------------------------------------- liveness
@@ -406,95 +370,6 @@ def liveness(run_dir: Path, now: float | None = None) -> tuple[bool, str]:
             f"{LIVENESS_SLACK_S:.0f}s slack; the supervisor is not healing it"
         )
     return True, f"running; heartbeat {age:.1f}s old (allowance {allowance:.0f}s)"
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def format_duration(seconds: Any) -> str:
-    """1h02m, 3m07s, 42s; "-" for anything that is not a finite, non-negative number."""
-    if not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
-        return "-"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
-
-
-def _fmt_num(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
-
-
-def _fmt_bytes(n: Any) -> str:
-    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) else "-"
-
-
-def format_status(st: dict) -> str:
-    """Human-readable status block. Rows with nothing to say (VRAM and MFU on CPU, the ETA of
-    a run that is not training) are left out."""
-    step = st["step"] if st["step"] is not None else "-"
-    total = st["total_steps"] if st["total_steps"] is not None else "-"
-    eta = f"   ETA {format_duration(st['eta_s'])}" if st.get("eta_s") is not None else ""
-    speed = f"speed      {_fmt_num(st['tokens_per_s'], ',.0f')} tok/s"
-    if isinstance(st.get("mfu"), (int, float)):
-        speed += f"   MFU {st['mfu']:.1%}"
-        if isinstance(st.get("mfu_peak_flops"), (int, float)):
-            speed += f" of {st['mfu_peak_flops'] / 1e12:.0f} TFLOP/s"
-    lines = [
-        f"run        {st['run_dir']}",
-        f"phase      {st['phase'] or st.get('state_problem') or 'never launched'}"
-        + (f"  ({st['reason']})" if st.get("reason") else ""),
-        f"step       {step}/{total}{eta}",
-        f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
-        f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
-        speed,
-        f"heartbeat  {_fmt_num(st['heartbeat_age_s'], '.1f')}s ago "
-        f"(worker phase {st['worker_phase'] or '-'}, allowance "
-        f"{_fmt_num(st['heartbeat_timeout_s'], '.0f')}s)",
-    ]
-    if st.get("vram_bytes") is not None or st.get("peak_vram_bytes") is not None:
-        lines.append(
-            f"vram       {_fmt_bytes(st['vram_bytes'])} (peak {_fmt_bytes(st['peak_vram_bytes'])})"
-        )
-    last = st["last_checkpoint_step"]
-    lines += [
-        f"checkpoint last complete step {last if last is not None else '-'}",
-        f"pids       supervisor {st['supervisor_pid'] or '-'}"
-        f"{'' if st['supervisor_alive'] else ' (not running)'}, worker {st['worker_pid'] or '-'}"
-        f"{'' if st['worker_alive'] else ' (not running)'}",
-    ]
-    if st.get("error"):
-        lines.append("error      " + "\n           ".join(st["error"]))
-    if st.get("mirror"):
-        from m3run.runner.supervisor.mirror import format_lag
-
-        lines.append(f"mirror     {format_lag(st['mirror'])}")
-    gpu = st.get("gpu")
-    if gpu:
-        for g in gpu if isinstance(gpu, list) else [gpu]:
-            index = g.get("index", "") if isinstance(g, dict) else ""
-            lines.append(f"gpu {index!s:<6} {_fmt_gpu(g)}")
-    restarts = st.get("restarts") or []
-    lines.append(f"restarts   {len(restarts)}")
-    for r in restarts[-10:]:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time", 0)))
-        lines.append(
-            f"  {when}  exit {r.get('exit_code')}  resume {r.get('resume_step')}  {r.get('reason')}"
-        )
-    return "\n".join(lines)
-
-
-def _fmt_gpu(g: Any) -> str:
-    if not isinstance(g, dict) or "error" in g:
-        return str(g.get("error") if isinstance(g, dict) else g)
-    mem = (
-        f"{g.get('mem_used_mib')}/{g.get('mem_total_mib')} MiB"
-        if g.get("mem_total_mib") is not None
-        else "memory -"
-    )
-    util = f"{g['util_gpu_pct']}%" if g.get("util_gpu_pct") is not None else "-"
-    temp = f"{g['temp_c']} °C" if g.get("temp_c") is not None else "-"
-    return f"{g.get('name') or ''}  util {util}  {mem}  {temp}"
 
 
 # --------------------------------------------------------------------------- logs

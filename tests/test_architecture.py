@@ -1,6 +1,11 @@
-"""The shape of the code, checked: the torch-free side stays torch-free, the supervisor and the
-worker never import each other, no two project modules import each other (directly or round a
-loop), and no file or class outgrows the size the design allows."""
+"""The shape of the code, checked: the torch-free side stays torch-free, imports flow one way
+(runner → model → kernels), the supervisor and the worker never reach each other's code, no two
+project modules import each other (directly or round a loop), and no file or class outgrows the
+size the design allows.
+
+An import arrow is any import statement anywhere in a module, inside functions and under
+`if TYPE_CHECKING` too, and `importlib.import_module` of a constant project name: a lazy import
+runs in the same process as an eager one, only later."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ TORCH_FREE = (
     "m3run.runner.health",
     "m3run.runner.protocol",
     "m3run.runner.files",
+    "m3run.runner.formatting",
     "m3run.runner.procs",
     "m3run.runner.config",
     "m3run.runner.runstate",
@@ -60,6 +66,8 @@ def _imports(name: str, path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+        elif _imports_by_name(node):
+            targets = [node.args[0].value]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -79,7 +87,41 @@ def _imports(name: str, path: Path) -> set[str]:
     return found
 
 
+def _imports_by_name(node: ast.AST) -> bool:
+    """`importlib.import_module("m3run....")` (or a bare `import_module(...)`) of a constant."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return False
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    first = node.args[0]
+    return (
+        called == "import_module"
+        and isinstance(first, ast.Constant)
+        and isinstance(first.value, str)
+        and first.value.startswith("m3run.")
+    )
+
+
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _within(mod: str, roots: tuple[str, ...]) -> bool:
+    return any(mod == r or mod.startswith(r + ".") for r in roots)
+
+
+def _reached(roots: tuple[str, ...]) -> dict[str, list[str]]:
+    """Every project module that importing the modules under `roots` can import, directly or
+    through others, each with the shortest chain of arrows that gets there."""
+    starts = sorted(m for m in GRAPH if _within(m, roots))
+    paths = {m: [m] for m in starts}
+    queue = list(starts)
+    while queue:
+        mod = queue.pop(0)
+        for dep in sorted(GRAPH[mod]):
+            if dep not in paths:
+                paths[dep] = [*paths[mod], dep]
+                queue.append(dep)
+    return paths
 
 
 def test_torch_free_side_never_imports_torch():
@@ -105,24 +147,58 @@ def test_torch_free_side_never_imports_torch():
     assert int(result.stdout.strip()) >= 20  # the walk reached the packages' modules
 
 
+# What only the worker process runs: torch, the trainer, checkpoint loading, the batch stream.
+WORKER_SIDE = ("m3run.runner.worker", "m3run.runner.checkpoint.io", "m3run.runner.data.loader")
+# What only the supervisor process and the CLI run. The worker writes the run dir that runstate
+# and the CLI read from outside and has no use for them: a helper it wants from there belongs in
+# a shared module (protocol, files, formatting, checkpoint.layout), or the worker would start
+# loading whatever those modules load, lazily, later, unseen.
+OUTSIDE_THE_WORKER = (
+    "m3run.runner.supervisor",
+    "m3run.runner.health",
+    "m3run.runner.runstate",
+    "m3run.runner.stopping",
+    "m3run.runner.cli",
+)
+
+
 @pytest.mark.parametrize(
     ("side", "forbidden"),
     [
-        (
-            "m3run.runner.supervisor",
-            ("m3run.runner.worker", "m3run.runner.data.loader", "m3run.runner.checkpoint.io"),
-        ),
-        ("m3run.runner.worker", ("m3run.runner.supervisor", "m3run.runner.health")),
-        ("m3run.runner.health", ("m3run.runner.worker", "m3run.runner.supervisor")),
+        (("m3run.kernels",), ("m3run.runner", "m3run.model")),
+        (("m3run.model",), ("m3run.runner",)),
     ],
+    ids=["kernels", "model"],
 )
-def test_process_sides_do_not_import_each_other(side, forbidden):
+def test_imports_flow_one_way(side, forbidden):
+    """runner → model → kernels. The arrows leaving each layer are checked one layer at a time:
+    with every layer's own arrows pointing down, no chain of them can point up, and a chain
+    model → kernels → runner is reported once, where it turns (the kernels rule)."""
     bad = sorted(
         f"{mod} imports {dep}"
         for mod, deps in GRAPH.items()
-        if mod == side or mod.startswith(side + ".")
+        if _within(mod, side)
         for dep in deps
-        if any(dep == f or dep.startswith(f + ".") for f in forbidden)
+        if _within(dep, forbidden)
+    )
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("side", "forbidden"),
+    [
+        (("m3run.runner.worker",), OUTSIDE_THE_WORKER),
+        (("m3run.runner.supervisor",), WORKER_SIDE),
+        (("m3run.runner.health",), (*WORKER_SIDE, "m3run.runner.supervisor")),
+    ],
+    ids=["worker", "supervisor", "health"],
+)
+def test_process_sides_never_reach_each_other(side, forbidden):
+    """A process side is everything its modules import, through any shared module and any
+    lazy import: the worker must not load the supervisor's code by way of a helper that
+    happens to sit in a module the CLI also uses."""
+    bad = sorted(
+        " -> ".join(path) for mod, path in _reached(side).items() if _within(mod, forbidden)
     )
     assert not bad, bad
 
@@ -175,6 +251,8 @@ def test_the_walk_sees_the_layout():
     ):
         assert name in MODULES
     assert "m3run.runner.protocol" in GRAPH["m3run.runner.supervisor.supervisor"]
+    # model/__init__ imports the LM only inside a function: lazy arrows are walked too.
+    assert "m3run.model.lm" in GRAPH["m3run.model"]
 
 
 def test_no_test_module_imports_another():

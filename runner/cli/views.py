@@ -30,13 +30,13 @@ def status(
     ] = True,
 ) -> None:
     """Phase, progress, loss, speed, heartbeat, checkpoints and restarts of a run."""
-    from m3run.runner import runstate
+    from m3run.runner.cli import report
 
     run_dir = run_dir_of(run)
 
     def render() -> tuple[str, str | None]:
-        st = runstate.collect_status(run_dir, gpu=gpu)
-        text = json.dumps(st, sort_keys=True) if as_json else runstate.format_status(st)
+        st = report.full_status(run_dir, gpu=gpu)
+        text = json.dumps(st, sort_keys=True) if as_json else report.format_status(st)
         return text, st["phase"]
 
     if not watch:
@@ -161,6 +161,7 @@ def list_(
 ) -> None:
     """The runs under ./runs/ (or $M3RUN_RUNS): phase, step, loss, last update."""
     from m3run.runner import runstate
+    from m3run.runner.cli.report import format_runs
 
     rows = runstate.list_runs()
-    typer.echo(json.dumps(rows, indent=2) if as_json else runstate.format_runs(rows))
+    typer.echo(json.dumps(rows, indent=2) if as_json else format_runs(rows))

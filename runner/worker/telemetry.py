@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from m3run.runner.config import ConfigError, RunConfig
 from m3run.runner.files import append_jsonl, atomic_write_json
+from m3run.runner.formatting import format_duration
 from m3run.runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
-from m3run.runner.runstate import format_duration
 from m3run.runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
 
 from .dist import Dist

@@ -23,8 +23,8 @@ from helpers.supervision import (
     supervise,
     wait_for,
 )
-from m3run.runner import runstate
 from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.cli.report import full_status
 from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import (
     EVENTS_FILE,
@@ -181,7 +181,7 @@ def test_checkpoints_are_mirrored_and_restored_onto_a_new_disk(tmp_path, standin
     assert "mirror_flush" in [e["event"] for e in events]
     # The newest checkpoint reached the mirror before the supervisor exited (meta.json last).
     assert (mirror / "checkpoints" / "step_00000004" / "meta.json").is_file()
-    assert runstate.collect_status(first)["mirror"]["remote_step"] == 4  # `m3run status` shows it
+    assert full_status(first)["mirror"]["remote_step"] == 4  # `m3run status` shows it
     # A new, empty run dir (another node after preemption) resumes from the mirror.
     second = tmp_path / "second"
     second.mkdir()
