@@ -4,12 +4,11 @@ whose backward writes the weight's gradient in the weight's dtype straight from 
 Under autocast an fp32 master weight is used in bf16: the product's weight gradient came out of
 cuBLAS in bf16 and inductor cast it to fp32 for the parameter in a kernel of its own, one for
 each of in_proj, out_proj and gate_up (in_proj's two row blocks through a zero-filled fp32 buffer
-that the cast wrote the slices into: about 1 ms of the 434m step on an H200 in all,
-docs/benchmarks.md). cuBLAS takes bf16 operands and writes its fp32 accumulator as it is
-(``torch.mm(..., out_dtype=torch.float32)``), each row block's into its rows of the one
-gradient: no cast, no buffer to fill, and a value rounded once instead of twice. The input's
-gradient is the sum over the blocks of ``dyᵢ · wᵢ``: one product, then the rest added in place
-by cuBLAS (``addmm_``), never a concatenation of the blocks' gradients.
+that the cast wrote the slices into). cuBLAS takes bf16 operands and writes its fp32
+accumulator as it is (``torch.mm(..., out_dtype=torch.float32)``), each row block's into its
+rows of the one gradient: no cast, no buffer to fill, and a value rounded once instead of
+twice. The input's gradient is the sum over the blocks of ``dyᵢ · wᵢ``: one product, then the
+rest added in place by cuBLAS (``addmm_``), never a concatenation of the blocks' gradients.
 
 Opaque to torch.compile like the other operators here: the weight's cast (``wc``) is formed
 outside, where inductor computes it once and keeps it for the backward.

@@ -4,12 +4,11 @@ Triton kernel each way.
 ``swiglu_down(gu, w) = silu(g) ⊙ u · wᵀ`` for ``gu = [g, u]`` (the gate/up projection's output,
 gate first). The point is what the backward keeps and how it reads: the down projection's weight
 gradient needs the hidden ``h = silu(g) ⊙ u``, (b, t, d_hidden), which inductor's partition of
-the plain module saved (without it the 434m step's peak memory fell by 4.6 GiB, 24 layers'
-worth at micro-batch 16 × 2048). Here only ``gu`` is saved, and one backward kernel reads
-``g, u, dh`` once to write ``dg, du`` (into one buffer laid out like ``gu``) and the recomputed
-``h``. Inductor's fused silu backward wrote the gradient as a concatenation at about half the
-bandwidth: 0.42 ms per layer against 0.30 ms for this kernel on an H200, with six streams to
-its five (docs/benchmarks.md).
+the plain module saved, one per layer for the whole step's backward. Here only ``gu`` is
+saved, and one backward kernel reads ``g, u, dh`` once to write ``dg, du`` (into one buffer
+laid out like ``gu``) and the recomputed ``h``. Inductor's fused silu backward wrote the
+gradient as a concatenation, more slowly and with six streams to this kernel's five
+(docs/benchmarks.md has both timed).
 
 Opaque to torch.compile like the scan's operators (kernels/mamba3/triton_siso.py): inductor
 calls the kernels and cuBLAS as they are. Dots run in ``gu``'s dtype with fp32 accumulation, as

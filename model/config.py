@@ -102,7 +102,7 @@ PRESETS: dict[str, dict] = {
     # ≈125M, for a quick real-data run on a single GPU.
     "125m": dict(d_model=768, n_layers=12, d_intermediate=2048, expand=2, headdim=64,
                  d_state=64, rope_fraction=0.5, chunk_size=64, vocab_size=50257),
-    # Trains on a laptop CPU in minutes (a step of 8×256 tokens well under a second on 2 cores).
+    # Small enough to train on a laptop CPU in minutes: the demo recipe and the tests use it.
     "tiny": dict(d_model=128, n_layers=2, d_intermediate=256, expand=2, headdim=32,
                  d_state=16, rope_fraction=0.5, chunk_size=64, vocab_size=4096,
                  pad_vocab_multiple=64),

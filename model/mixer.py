@@ -88,9 +88,9 @@ class Mamba3Mixer(nn.Module):
         """in_proj's outputs [zx, B, C, Δ̃, Ã, λ̃, θ̃] as two products of row blocks of its
         weight: z and x in one (b, t, 2E), which the scan takes packed and whose gradient it
         returns packed, so its input and weight gradients are one product each (K or M = 2E);
-        and the rest, apart (the split of one product would concatenate the scan's gradient with
-        the rest's into one (b, t, 4,336) gradient first: 6 ms of a 435 ms 434m step on an
-        H200, docs/benchmarks.md)."""
+        and the rest, apart. Split from one product instead, the backward would first concatenate
+        the scan's gradient with the rest's into one (b, t, 4,336) gradient, a copy of every
+        token's in_proj gradient per layer and micro-batch."""
         w, E = self.in_proj.weight, self.d_inner
         zx, rest = linear_rows(u, w, [2 * E, w.shape[0] - 2 * E], self.cfg.scan_backend)
         return (zx, *rest.split(self.split_sizes[2:], dim=-1))

@@ -140,10 +140,9 @@ def exit_now(code: int) -> NoReturn:
     teardown. For the children the supervisor waits on (the worker, a torchrun rank, the smoke
     test), called when everything they owe is on disk: the teardown frees the model's GPU memory
     tensor by tensor and joins inductor's compile workers, which the supervisor would wait out
-    before a restart, or before it mirrors the last checkpoint of a preempted VM. On an H200
-    host, from the last line to the exit: a stopped 434m worker 4.2 s with it, 1.6 s without
-    (the driver releasing the CUDA context); the smoke child 2.3–2.7 s, 0.14–0.18 s
-    (docs/benchmarks.md, 2026-12-04 (sixth) and (seventh)). Inductor's workers end on their
+    before a restart, or before it mirrors the last checkpoint of a preempted VM. Without the
+    teardown what is left is the driver releasing the CUDA context (docs/benchmarks.md times a
+    stopped worker's exit). Inductor's workers end on their
     own once their parent is gone, and the supervisor kills what is left of the child's group
     after its exit."""
     sys.stdout.flush()

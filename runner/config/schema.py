@@ -32,7 +32,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # torch.compile's modes that capture CUDA graphs. The step cannot replay one: with gradient
 # accumulation it reads a graph's outputs (the gradients it accumulates, the tied embedding's)
 # after the next replay has overwritten them, and under compile_scope=blocks one graph serves
-# every layer. On a GPU the first backward fails (docs/benchmarks.md, 2026-12-02 (third)).
+# every layer. On a GPU the first backward fails.
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # fsspec protocols a checkpoint mirror may use (s3fs / gcsfs provide the remote ones).

@@ -1,11 +1,11 @@
 """The warm spare: the next worker, started before it is needed.
 
 A restarted worker spends its first seconds in process start and imports (torch, the model, the
-kernels, torch's compile stack: about 9 s of a 26.7 s warm restart on an H200 host, which
-takes 10.1 s with a spare, docs/benchmarks.md), work that does not depend on why or where the
-run resumes. So once a worker has trained two steps past the one it resumed from (past its
-start and compile), the supervisor starts its successor as ``python -m m3run.runner.train
---standby`` (runner/worker/standby.py): it imports all of that, then blocks reading its stdin.
+kernels, torch's compile stack: the largest part of a warm restart without a spare), work that
+does not depend on why or where the run resumes. So once a worker has trained two steps past
+the one it resumed from (past its start and compile), the supervisor starts its successor as
+``python -m m3run.runner.train --standby`` (runner/worker/standby.py): it imports all of that,
+then blocks reading its stdin.
 When the supervisor restarts the worker it writes the attempt's header to worker.log and the
 worker's arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes
 the worker. A spare that has died is replaced by a fresh spawn, as without one.

@@ -2,10 +2,8 @@
 
 torch imports dynamo the first time an optimizer is built (``add_param_group`` is wrapped in
 ``torch._disable_dynamo``) and inductor the first time a module is wrapped by ``torch.compile``:
-on an H200 host those two imports took 4.3 s and 3.7 s of a warm restart, in a row with the
-CUDA initialisation, the model build and the checkpoint load. Started first, the imports run
-while those wait on the GPU and the disk. Measured (docs/benchmarks.md, 2026-12-01, fifth):
-model build, optimizer and compile wrapper 8.5 → 4.9 s together.
+seconds of a warm restart each, in a row with the CUDA initialisation, the model build and the
+checkpoint load. Started first, the imports run while those wait on the GPU and the disk.
 
 The setup must not import a module of that stack itself while the thread is importing it:
 Python's per-module import locks see two threads entering torch's circular imports from

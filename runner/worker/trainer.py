@@ -6,13 +6,13 @@ A step runs ahead: after queueing its update and before reading its loss and gra
 step's one host sync, update.GuardedUpdate), it queues the next step's first micro-batch's
 forward, so the GPU has work while the host waits and then launches the rest of the next step
 (without it a step begins with the GPU idle behind the batch's copy, the embedding, the first
-block's entry and the scan's host path: 1–2 ms of a 434m step on an H200 under the profiler,
-docs/benchmarks.md). Nothing a step decides depends on that forward: it reads each layer's
-weights after that layer's update (on CUDA the update runs on a stream of its own beside it,
-layer by layer, update.LayeredStep), and the batch the next step reads first, peeked without
-being consumed, so a checkpoint taken meanwhile saves the step's own data position; a
-non-finite step changes neither (its update is skipped), so its retry on the next data uses the
-forward as it is; a rollback or a stop drops it."""
+block's entry and the scan's host path, all host work the GPU would wait for). Nothing a step
+decides depends on that forward: it reads each layer's weights after that layer's update (on
+CUDA the update runs on a stream of its own beside it, layer by layer, update.LayeredStep), and
+the batch the next step reads first, peeked without being consumed, so a checkpoint taken
+meanwhile saves the step's own data position; a non-finite step changes neither (its update is
+skipped), so its retry on the next data uses the forward as it is; a rollback or a stop drops
+it."""
 
 from __future__ import annotations
 

@@ -2,24 +2,23 @@
 not finite leaves the weights, the optimizer's moments and its step count as they were. The
 gradient clip is part of the update: given the gradients' total norm and the clip's bound, the
 host path clips them in place before the step (``clip_grads_with_norm_``), the fused path passes
-the clip's divisor to the kernel as its ``grad_scale`` (no pass over the gradients of its own:
-0.34 ms less for the 434m model's clip and update on an H200, docs/benchmarks.md).
+the clip's divisor to the kernel as its ``grad_scale`` (no pass over the gradients of its own,
+which the kernel reads anyway).
 
-Where the optimizer has no fused kernel, the host reads the two numbers and then steps or not.
-With fused AdamW (the trainer's on CUDA) the update is queued first and skipped inside the kernel
-through the optimizer's ``found_inf`` input (the one a gradient scaler sets: the kernel leaves
-every tensor untouched and the step count is taken back); on CUDA the host reads the two numbers
-while the GPU works through the update. Read before it, they left the GPU idle for the host's
-round trip and the update's launch, 0.8–1.7 ms of every 434m step on an H200
-(docs/benchmarks.md). The gradients are dropped (``zero_grad(set_to_none=True)``) before the
-host waits too: their memory goes back to the allocator in stream order, so the update still
-reads them, and the host's walk over the parameters (0.7 ms at the 434m preset under the
-profiler) runs while the GPU works through the update.
+Where the optimizer has no fused kernel, the host reads the two numbers and then steps or not. With
+fused AdamW (the trainer's on CUDA) the update is queued first and skipped inside the kernel through
+the optimizer's ``found_inf`` input (the one a gradient scaler sets: the kernel leaves every tensor
+untouched and the step count is taken back); on CUDA the host reads the two numbers while the GPU
+works through the update. Read before it, they left the GPU idle for the host's round trip and the
+update's launch, in every step. The gradients are dropped (``zero_grad(set_to_none=True)``) before
+the host waits too: their memory goes back to the allocator in stream order, so the update still
+reads them, and the host's walk over the parameters (one call per parameter) runs while the GPU
+works through the update.
 
 Given the model's layers (the trainer's, on CUDA, without DDP), the update runs on a stream of
 its own, layer by layer (:class:`LayeredStep`), beside the next step's first forward, which
-waits for each layer's update just before it uses that layer: 4.6 of the update's 5.9 ms
-overlapped the forward in the 434m step on an H200, +0.5% tokens/s (docs/benchmarks.md).
+waits for each layer's update just before it uses that layer, so most of the update overlaps
+the forward instead of preceding it.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ def worker_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     # One intra-op thread per process: the runs are tiny and run beside one another (two xdist
     # workers; a reference run next to the one under test), and torch's default pool in each
-    # oversubscribed a 2-core machine: a resumed run trained at 1.2 s a step beside its
-    # reference, against ~35 steps a second alone.
+    # oversubscribed a 2-core machine, where a resumed run beside its reference trained many
+    # times slower than alone.
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env

@@ -44,8 +44,8 @@ def _patch_lang_once_a_launch() -> None:
     """Triton 3.6's interpreter patches triton.language (an ``inspect.getmembers`` walk over it,
     its tensor and math) when a kernel launches, restores it when the grid is done, and patches
     it again on every call of a @triton.jit helper inside the kernel, though nothing has changed:
-    nearly half the scan's interpreter time (the fp32 cases 137 → 74 s of CPU, a bf16 run 27 →
-    16 s, the same errors to the last bit). Inside a launch, a helper's call patches only where
+    nearly half the scan's interpreter time, for the same errors to the last bit. Inside a
+    launch, a helper's call patches only where
     it sees a language module the launch has not patched yet (the library's own helpers see
     triton.language.core), as the interpreter would; anywhere else it patches as before."""
     import triton.language as tl

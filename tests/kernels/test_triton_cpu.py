@@ -110,8 +110,8 @@ def test_the_tuner_keeps_a_candidate_and_the_plan_leaves_the_function_as_it_is(i
 
 def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monkeypatch, caplog):
     """A shape or GPU missing from the table runs the defaults, logged once; the log must not
-    come from torch.compile's trace of the scan's caller (a log call breaks the graph: a block's
-    one graph became eight on an H200), but from the first call that runs."""
+    come from torch.compile's trace of the scan's caller (a log call breaks a block's one graph
+    into several), but from the first call that runs."""
     import torch
     from m3run.kernels.mamba3 import launching as lp
 
@@ -143,7 +143,7 @@ def test_kernels_in_the_interpreter_match_the_reference(interpreted):
 @pytest.mark.parametrize("t", [1024, 2048])
 def test_bf16_accuracy_at_long_sequences(interpreted, t):
     """The accuracy bar at long sequences, on the CPU: with every dot operand rounded to bf16 as
-    on a GPU (the emulation reproduced the H200's errors), every input gradient within 1e-2 of
+    on a GPU (the emulation reproduces a GPU's errors), every input gradient within 1e-2 of
     float64 and the angles' within 4e-2, at t = 1024 and 2048."""
     worst = _worst(interpreted, f"bf16-{t}")
     bounds = {"dangles": 4e-2}

@@ -26,7 +26,7 @@ def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
 @pytest.fixture(scope="module")
 def one(corpus, tmp_path_factory):
     """The single-process run of the global batch both multi-process tests reproduce (10 steps
-    of 4 sequences × 2 accumulation), trained once per module: a worker costs ~7 s of CPU."""
+    of 4 sequences × 2 accumulation), trained once per module: a worker costs seconds of CPU."""
     run_dir = tmp_path_factory.mktemp("one") / "run"
     ov = tiny_run_overrides(corpus, **{"train.total_steps": 10, "train.grad_accum_steps": 2})
     done = run_worker(run_dir, ov)

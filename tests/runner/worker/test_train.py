@@ -36,7 +36,7 @@ def finished(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     """The tiny recipe's 30 steps, uninterrupted (checkpoints 20, 25 and 30 kept), trained once
     per module: the reference of an exact resume, and the run dir that the tests of a relaunch
     into a trained one start from, each on a copy of its own (copy_of). A worker process costs
-    ~7 s of CPU, its start most of it."""
+    seconds of CPU, its start most of it."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     ov = tiny_run_overrides(corpus)
     done = run_worker(run_dir, ov)
