@@ -1,9 +1,9 @@
 """Throughput of m3run's real training step (the worker's `Trainer.train_step`).
 
-    python bench/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
-    PYTHONPATH=.:<dir holding mamba_ssm/> python bench/bench_train.py --micro-batch 16 --anchor
+    python bench/step/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
+    PYTHONPATH=.:<dir holding mamba_ssm/> python bench/step/bench_train.py --micro-batch 16 --anchor
         [--variant whole:train.compile_scope=model --variant h2:bwd_chunk.hpp=2]
-    python bench/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
+    python bench/step/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
 
 For each micro-batch size it builds the worker exactly as `m3run train` does (model, chunked
 linear cross-entropy, AdamW, accumulation, bf16 autocast, torch.compile) from the A100 recipe,
@@ -17,12 +17,12 @@ small corpus prepared on the spot with the recipe's sequence length, so the data
 real one too. Each result lists its timed steps one by one and the Python collections that
 ran among them; --trace DIR then runs two more steps under torch.profiler with the host's
 threads and operator shapes and writes them as a gzipped Chrome trace, which
-bench/trace_report.py reads (where the GPU waited and what the host did meanwhile; each matmul
+bench/step/trace_report.py reads (where the GPU waited and what the host did meanwhile; each matmul
 shape's calls, time and TFLOP/s).
 
 --anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
-module (bench/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
+module (bench/step/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
 autotuner runs in its first step, which can take minutes: that step is reported apart.
 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
@@ -45,9 +45,13 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import torch
 from plan_edits import edited_plan, parse_switch, parse_variant, switched
@@ -63,7 +67,7 @@ from step_probes import (
     timing_lines,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 
@@ -235,7 +239,7 @@ def anchor_factory(cfg, dry_run: bool):
             raise SystemExit(
                 f"bench_train.py --anchor: the official-mixer LM has {theirs:,} parameters "
                 f"against {ours:,} for ours at the same shapes: the constructor mapping in "
-                "bench/anchor_lm.py (official_mixer_kwargs) no longer matches"
+                "bench/step/anchor_lm.py (official_mixer_kwargs) no longer matches"
             )
         print(f"anchor: official Mamba-3 mixer, {theirs:,} parameters (ours: the same)")
     if dry_run:
