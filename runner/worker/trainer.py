@@ -228,6 +228,8 @@ class Trainer:
         marks["compile_wrapped"] = time.time()
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
+        if self.faults.asked:  # tests only (M3RUN_FAULT): crash, hang, hold or poison a step
+            self.faults.wrap_step(self)
         marks["setup_end"] = time.time()
 
     # ---- the loop ----
@@ -243,13 +245,11 @@ class Trainer:
         untouched), {"bad": True, ...} with the data position it started at."""
         t = self.cfg.train
         step = self.step + 1
-        self.faults.before_step(step)
         lr = lr_at(self.cfg, step) * self.excursions.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.excursions.skip_windows(self.loader, self.local_accum)
         start_pos = self.loader.windows_consumed
-        poison = self.faults.poison(step)
         loss_sum = torch.zeros((), device=self.device)
         amp = autocast(self.device, self.autocast_dtype)
         ahead, self._ahead = self._ahead, None
@@ -264,8 +264,6 @@ class Trainer:
                     self.loader.next_batch()  # the batch that forward read, consumed now
                 else:
                     loss = self._forward(self.loader.next_batch())
-                if poison:
-                    loss = loss * float("nan")
                 # Divide before backward so the summed gradients are those of the mean loss.
                 (loss / self.local_accum).backward()
             loss_sum += loss.detach()
