@@ -33,7 +33,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 bench: install
-	$(PY) bench/bench_scan.py
+	$(PY) bench/kernels/bench_scan.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -7,11 +7,6 @@ import torch.nn.functional as F
 from m3run.kernels.mamba3 import uses_triton_kernels
 from torch import Tensor, nn
 
-# Off: the products are F.linear under autocast, whose bf16 weight gradients inductor casts to
-# the fp32 parameters in kernels of its own; for the benchmark's comparison, bench_train.py
-# --variant NAME:@m3run.model.layers.LINEAR_OP=0.
-LINEAR_OP = True
-
 
 def autocast_dtype(x: Tensor) -> torch.dtype:
     """The dtype autocast computes in on x's device where it is on, else x's own."""
@@ -24,7 +19,7 @@ def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Te
     the plain linear). Where ``backend`` (model.scan_backend) resolves to Triton, through the
     operator of kernels/linear.py (computed in the autocast dtype as F.linear would be; the
     backward writes w's fp32 gradient from the products themselves); else F.linear a block."""
-    if LINEAR_OP and uses_triton_kernels(backend, x):
+    if uses_triton_kernels(backend, x):
         from m3run.kernels.linear import linear_rows as op
 
         return op(x, w, sizes, autocast_dtype(x))
@@ -36,10 +31,6 @@ def linear_rows(x: Tensor, w: Tensor, sizes: list[int], backend: str) -> list[Te
 class RMSNorm(nn.Module):
     """Weight-only RMSNorm (no bias), computed in fp32 (float64 for float64 input: the exact
     tests' models are float64 throughout) and cast back to the input dtype."""
-
-    # Off: add() is the plain add and norm under inductor's backward; for the benchmark's
-    # comparison, bench_train.py --variant NAME:@m3run.model.layers.RMSNorm.FUSED_ADD=0.
-    FUSED_ADD = True
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -57,7 +48,7 @@ class RMSNorm(nn.Module):
         operator of kernels/add_rms_norm.py (the norm in delta's dtype; one backward kernel
         writes the stream's gradient and its copy in delta's dtype); else the plain add and
         :meth:`forward`."""
-        if self.FUSED_ADD and x.dtype == torch.float32 and uses_triton_kernels(backend, delta):
+        if x.dtype == torch.float32 and uses_triton_kernels(backend, delta):
             from m3run.kernels.add_rms_norm import add_rms_norm
 
             return add_rms_norm(x, delta, self.weight, self.eps)

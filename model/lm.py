@@ -32,11 +32,6 @@ from .mixer import Mamba3Mixer
 
 
 class Block(nn.Module):
-    # Off: each block adds its MLP output to the stream itself, at its graph's end, and leaves
-    # nothing pending; for the benchmark's comparison, bench_train.py --variant
-    # NAME:@m3run.model.lm.Block.DEFER_RESIDUAL_ADD=0.
-    DEFER_RESIDUAL_ADD = True
-
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -52,15 +47,12 @@ class Block(nn.Module):
         next block's first norm (or the final norm) adds it in its own kernel: the fp32 stream
         is no longer read and written once more by an add at each compiled block's exit, and
         the gradient of ``pending`` leaves the next block's backward already cast to the MLP's
-        dtype. With DEFER_RESIDUAL_ADD off: ``(output, None)``."""
+        dtype."""
         if pending is not None:
             x = x + pending
         y = self.mixer(self.mixer_norm(x), reset=reset)
         x, h = self.mlp_norm.add(x, y, self.mlp.backend)
-        out = self.mlp(h)
-        if not self.DEFER_RESIDUAL_ADD:
-            return x + out, None
-        return x, out
+        return x, self.mlp(h)
 
     def forward_with_state(self, x: Tensor, state: State | None):
         y, state = self.mixer(self.mixer_norm(x), initial_state=state, return_final_state=True)
@@ -166,11 +158,10 @@ class Mamba3LM(nn.Module):
     def hidden_states(self, idx: Tensor, reset: Tensor | None = None) -> Tensor:
         self._before(0)
         x = self.embedding(idx)
-        pending = None  # the MLP output a block leaves to the next (Block.forward)
-        if Block.DEFER_RESIDUAL_ADD:
-            # The first block's: zeros in the dtype every block's MLP returns, needing a
-            # gradient where theirs do, so that one compiled graph serves every block.
-            pending = torch.zeros_like(x, dtype=autocast_dtype(x)).requires_grad_(x.requires_grad)
+        # The MLP output a block leaves to the next (Block.forward). The first block's: zeros
+        # in the dtype every block's MLP returns, needing a gradient where theirs do, so that
+        # one compiled graph serves every block.
+        pending = torch.zeros_like(x, dtype=autocast_dtype(x)).requires_grad_(x.requires_grad)
         for i, block in enumerate(self.layers, start=1):
             self._before(i)
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -178,7 +169,7 @@ class Mamba3LM(nn.Module):
             else:
                 x, pending = block(x, pending, reset)
         self._before(len(self.layers) + 1)
-        return self.norm_f(x if pending is None else x + pending)
+        return self.norm_f(x + pending)
 
     def forward(
         self,

@@ -1,5 +1,6 @@
 """Test-only fault injection: the M3RUN_FAULT hook (the faults are listed in runner.protocol).
-Empty, and inert, in production."""
+Empty, and inert, in production: the step faults wrap the trainer's step only when M3RUN_FAULT
+names a fault (:meth:`Faults.wrap_step`), so the step itself carries no fault calls."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m3run.runner.protocol import FAULT_ENV
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 
@@ -36,6 +41,36 @@ class Faults:
             key, _, value = part.partition("=")
             spec[key.strip()] = value.strip()
         return cls(spec, [])
+
+    @property
+    def asked(self) -> bool:
+        """Whether M3RUN_FAULT names any fault."""
+        return bool(self.spec)
+
+    def wrap_step(self, trainer: Trainer) -> None:
+        """Put the step faults around ``trainer.train_step`` (after its setup): a crash, hang or
+        hold before a step, and a poisoned step. A poisoned step hands the update a NaN loss and
+        gradient norm, so the non-finite guard skips it and its gradients are dropped, as for
+        a step whose loss diverged: what every micro-batch's loss made NaN before its backward
+        leads to, whether or not its first forward ran ahead in the step before."""
+        step_fn, update = trainer.train_step, trainer.update
+
+        def poisoned_queue(loss, grad_norm, max_norm=None):
+            nan = float("nan")
+            return type(update).queue(update, loss * nan, grad_norm * nan, max_norm)
+
+        def train_step() -> dict:
+            step = trainer.step + 1
+            self.before_step(step)
+            if not self.poison(step):
+                return step_fn()
+            update.queue = poisoned_queue
+            try:
+                return step_fn()
+            finally:
+                del update.queue  # the class's own again
+
+        trainer.train_step = train_step
 
     def _once(self, key: str, step: int) -> bool:
         """True for the first N attempts at a step ≥ the fault's step ("7" or "7x3")."""

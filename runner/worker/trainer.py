@@ -64,11 +64,6 @@ class Trainer:
     `close()` on every path. The counters (step, tokens seen, the NaN-rollback state) round-trip
     through `state_dict()` / `load_state_dict()` inside each checkpoint."""
 
-    # Off: each step's first forward is queued only after the step before has been read (see
-    # _runs_ahead); for the benchmark's comparison, bench_train.py --variant
-    # NAME:@m3run.runner.worker.trainer.Trainer.RUN_AHEAD=0.
-    RUN_AHEAD = True
-
     def __init__(
         self,
         cfg: RunConfig,
@@ -77,6 +72,7 @@ class Trainer:
         force: bool = False,
         lr_scale: float = 1.0,
         compile_stack: CompileStack | None = None,
+        overlap: bool = True,
     ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
@@ -86,6 +82,10 @@ class Trainer:
         # torch's compile stack being imported on a thread (preimport.py): the setup waits for
         # each part before its own first use of it.
         self.compile_stack = compile_stack
+        # The next step's first forward queued before a step's host read (_runs_ahead) and, on
+        # CUDA, the update beside it layer by layer (update.LayeredStep). Off, neither: the
+        # plain order, which the tests and bench_train.py compare the overlapped one against.
+        self.overlap = overlap
         self.faults = Faults.from_env()
         self.faults.stop_requested = lambda: self.stop_signal is not None
         self.stop_signal: int | None = None
@@ -170,7 +170,7 @@ class Trainer:
         # The update beside the next forward, layer by layer (update.LayeredStep): where the
         # forward's layers run eagerly between compiled blocks and without DDP.
         whole_graph = t.compile and t.compile_scope == "model"
-        layered = not (self.dist.enabled or whole_graph)
+        layered = self.overlap and not (self.dist.enabled or whole_graph)
         layers = self.model.layer_params() if layered else None
         self.update = GuardedUpdate(self.optimizer, self.device, layers)
         if self.update.side is not None:
@@ -228,6 +228,8 @@ class Trainer:
         marks["compile_wrapped"] = time.time()
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
         self.telemetry.start_tracker(resumed=self.resumed_from is not None)
+        if self.faults.asked:  # tests only (M3RUN_FAULT): crash, hang, hold or poison a step
+            self.faults.wrap_step(self)
         marks["setup_end"] = time.time()
 
     # ---- the loop ----
@@ -243,13 +245,11 @@ class Trainer:
         untouched), {"bad": True, ...} with the data position it started at."""
         t = self.cfg.train
         step = self.step + 1
-        self.faults.before_step(step)
         lr = lr_at(self.cfg, step) * self.excursions.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.excursions.skip_windows(self.loader, self.local_accum)
         start_pos = self.loader.windows_consumed
-        poison = self.faults.poison(step)
         loss_sum = torch.zeros((), device=self.device)
         amp = autocast(self.device, self.autocast_dtype)
         ahead, self._ahead = self._ahead, None
@@ -264,8 +264,6 @@ class Trainer:
                     self.loader.next_batch()  # the batch that forward read, consumed now
                 else:
                     loss = self._forward(self.loader.next_batch())
-                if poison:
-                    loss = loss * float("nan")
                 # Divide before backward so the summed gradients are those of the mean loss.
                 (loss / self.local_accum).backward()
             loss_sum += loss.detach()
@@ -299,7 +297,7 @@ class Trainer:
         gradient reduction that a dropped one would leave pending)."""
         every = self.cfg.eval.interval_steps
         eval_next = every and self.val_batches is not None and step % every == 0
-        return (self.RUN_AHEAD and not self.dist.enabled and step < self.cfg.train.total_steps
+        return (self.overlap and not self.dist.enabled and step < self.cfg.train.total_steps
                 and not eval_next and self.stop_signal is None)  # fmt: skip
 
     def eval(self) -> float | None:

@@ -35,11 +35,6 @@ class GuardedUpdate:
     is non-finite, the gradients dropped either way; or ``read(queue(...))``, with other work
     queued between the two. Its one host sync is the step's."""
 
-    # Off: the host reads the two numbers before the update whatever the optimizer; for the
-    # benchmark's comparison, bench_train.py --variant
-    # NAME:@m3run.runner.worker.update.GuardedUpdate.IN_KERNEL=0.
-    IN_KERNEL = True
-
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -47,13 +42,13 @@ class GuardedUpdate:
         layers: list[list[Tensor]] | None = None,
     ):
         self.optimizer = optimizer
-        self.in_kernel = self.IN_KERNEL and bool(optimizer.defaults.get("fused"))
+        self.in_kernel = bool(optimizer.defaults.get("fused"))
         self._host = self._ready = None
         self.side: LayeredStep | None = None  # the update beside the next forward
         if self.in_kernel and device.type == "cuda":
             self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
             self._ready = torch.cuda.Event()
-            if layers is not None and LayeredStep.ON:
+            if layers is not None:
                 self.side = LayeredStep(optimizer, layers)
 
     def __call__(
@@ -121,11 +116,6 @@ class LayeredStep:
     kernel's, element by element, so the weights are bitwise those of one ``step()``.
     Everything queued on the main stream after :meth:`GuardedUpdate.read` waits for the whole
     update; in between, only a forward that waits layer by layer may run."""
-
-    # Off: one step() on the main stream even where the trainer hands over the layers; for
-    # the benchmark's comparison, bench_train.py --variant
-    # NAME:@m3run.runner.worker.update.LayeredStep.ON=0.
-    ON = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, layers: list[list[Tensor]]):
         self.optimizer = optimizer

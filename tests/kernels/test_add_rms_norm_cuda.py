@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from m3run.model.config import ModelConfig
-from m3run.model.layers import RMSNorm
 from m3run.model.lm import Block
 
 pytestmark = [
@@ -75,11 +74,14 @@ def test_a_block_takes_the_operator_under_the_triton_backend(monkeypatch):
         calls.append(1)
         return fused_op(*args)
 
+    def plain(x, delta, weight, eps):  # RMSNorm.add on an fp32 stream without the operator
+        s = x + delta
+        return s, F.rms_norm(s, (s.shape[-1],), weight, eps)
+
     fused_op = op.add_rms_norm
-    monkeypatch.setattr(op, "add_rms_norm", counted)
 
     def run(fused: bool):
-        monkeypatch.setattr(RMSNorm, "FUSED_ADD", fused)
+        monkeypatch.setattr(op, "add_rms_norm", counted if fused else plain)
         block.zero_grad()
         xi, pi = x.clone().requires_grad_(), pending.clone().requires_grad_()
         with torch.autocast("cuda", torch.bfloat16):
@@ -89,7 +91,5 @@ def test_a_block_takes_the_operator_under_the_triton_backend(monkeypatch):
 
     fused = run(True)
     assert calls, "the block did not take the operator"
-    n_calls = len(calls)
     for a, b in zip(fused, run(False), strict=True):
         assert rel(a, b) < 2e-2
-    assert len(calls) == n_calls, "the switch did not turn the operator off"

@@ -83,9 +83,10 @@ def test_every_launch_configuration_fits_the_architecture(interpreted, arch):
 
 
 def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkeypatch):
-    """bench/tune_scan.py renders the checked-in launch table byte for byte (so what it writes is
-    what `ruff format --check` accepts), and an entry it merges reads back beside the others."""
-    monkeypatch.syspath_prepend(str(HERE.parents[1] / "bench"))
+    """bench/kernels/tune_scan.py renders the checked-in launch table byte for byte (so what it
+    writes is what `ruff format --check` accepts), and an entry it merges reads back beside the
+    others."""
+    monkeypatch.syspath_prepend(str(HERE.parents[1] / "bench" / "kernels"))
     import tune_scan
 
     table_file = HERE.parents[1] / "kernels" / "mamba3" / "launch_table.py"

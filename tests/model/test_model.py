@@ -92,8 +92,8 @@ def test_in_proj_as_two_products_equals_one_product_split():
 
 def test_the_deferred_residual_add_computes_what_the_block_adding_its_own_does(monkeypatch):
     """Block.forward leaves its MLP output for the next block's first norm to add: the loss and
-    every gradient equal, bitwise, those of blocks that add their own output (the switch off),
-    and with a model whose blocks are ``x + mixer(...); x + mlp(...)`` written out."""
+    every gradient equal, bitwise, those of a model whose blocks are ``x + mixer(...);
+    x + mlp(...)`` written out, adding their own output and leaving nothing (zeros) pending."""
     from m3run.model.lm import Block
 
     torch.manual_seed(0)
@@ -107,19 +107,18 @@ def test_the_deferred_residual_add_computes_what_the_block_adding_its_own_does(m
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    def written_out(self, x, pending=None, reset=None):  # DESIGN's block, nothing deferred
-        assert pending is None
+    def written_out(self, x, pending, reset=None):  # DESIGN's block, nothing deferred
+        assert not pending.any()  # the model's first zeros, then this block's own
+        x = x + pending
         x = x + self.mixer(self.mixer_norm(x), reset=reset)
-        return x + self.mlp(self.mlp_norm(x)), None
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, torch.zeros_like(x)
 
     deferred = loss_and_grads()
-    monkeypatch.setattr(Block, "DEFER_RESIDUAL_ADD", False)
-    own = loss_and_grads()
     monkeypatch.setattr(Block, "forward", written_out)
     plain = loss_and_grads()
-    for other in (own, plain):
-        assert torch.equal(deferred[0], other[0])
-        assert all(map(torch.equal, deferred[1], other[1]))
+    assert torch.equal(deferred[0], plain[0])
+    assert all(map(torch.equal, deferred[1], plain[1]))
 
 
 def test_generate_uses_recurrent_state_and_is_greedy_consistent():

@@ -11,7 +11,6 @@ import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
 from m3run.runner.config import load_config
 from m3run.runner.worker.trainer import Trainer
-from m3run.runner.worker.update import LayeredStep
 
 STEPS = 8
 # On the GPU: bf16, fused AdamW, two micro-batches a step, deterministic kernels.
@@ -33,13 +32,11 @@ ON_CUDA = pytest.param(
 def _train(corpus, run_dir, monkeypatch, device: str, overlap: bool) -> tuple[list, ...]:
     """STEPS train_step()s, step 4 poisoned: each step's result, data position and whether a
     forward was left ahead, and the final weights. ``overlap``: the forward run ahead and (on
-    CUDA) the update beside it, or neither."""
-    monkeypatch.setattr(Trainer, "RUN_AHEAD", overlap)
-    monkeypatch.setattr(LayeredStep, "ON", overlap)
+    CUDA) the update beside it, or neither (the trainer's ``overlap``)."""
     monkeypatch.setenv("M3RUN_FAULT", "nan_at_step=4")
     extra = {"train.total_steps": STEPS, **(CUDA_RUN if device == "cuda" else {})}
     overrides = tiny_run_overrides(corpus, **extra)
-    trainer = Trainer(load_config(DEMO_CONFIG, overrides), run_dir, resume="none")
+    trainer = Trainer(load_config(DEMO_CONFIG, overrides), run_dir, resume="none", overlap=overlap)
     outs, positions, ahead = [], [], []
     try:
         trainer.setup()

@@ -72,7 +72,8 @@ def test_sigterm_then_relaunch_resumes_exactly(finished, tmp_path):
 def test_deterministic_mode_is_on_in_the_worker_and_resumes_exactly(corpus, tmp_path):
     """train.deterministic: the worker says so, no op it runs lacks a deterministic kernel (no
     warning), and a stopped and relaunched run logs the uninterrupted one's losses bitwise. (On
-    a GPU, bench/deterministic_resume.py checks the same with the Triton scan and a SIGKILL.)"""
+    a GPU, bench/acceptance/deterministic_resume.py checks the same with the Triton scan and a
+    SIGKILL.)"""
     ov = tiny_run_overrides(corpus, **{"train.deterministic": "true"})
     ref = run_worker(tmp_path / "ref", ov)
     assert ref.returncode == 0, ref.stderr
@@ -270,7 +271,7 @@ def test_heartbeat_and_metrics_records(finished):
 
 def test_each_worker_process_records_its_way_to_the_first_step(finished, tmp_path):
     """One `startup_times` record per process, at its first completed step, with the marks in
-    the order they happen: what bench/restart_breakdown.py splits a restart into."""
+    the order they happen: what bench/runner/restart_breakdown.py splits a restart into."""
     _, ov = finished
     run_dir = copy_of(finished, tmp_path)  # the first process's record is in its metrics
     again = run_worker(run_dir, [*ov, "train.total_steps=33"], "--force")

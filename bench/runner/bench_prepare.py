@@ -1,7 +1,7 @@
 """prepare-data throughput (MB/s of text) against its tokenizer driven directly, per core.
 
-    python bench/bench_prepare.py --mb 64 --workers 1 4 8 --dir /tmp/prepbench
-    python bench/bench_prepare.py --mb 8 --workers 1 --dir /tmp/prepbench          # CPU smoke
+    python bench/runner/bench_prepare.py --mb 64 --workers 1 4 8 --dir /tmp/prepbench
+    python bench/runner/bench_prepare.py --mb 8 --workers 1 --dir /tmp/prepbench         # CPU smoke
 
 Generates a corpus of word-salad documents (seeded, ~2 kB each, the length of a typical web
 page) as JSON Lines and parquet, trains a byte-level BPE of --vocab tokens on a slice of it (or
@@ -34,7 +34,7 @@ from pathlib import Path
 # One encoder thread everywhere: the direct baseline and the in-process path measure one core.
 os.environ["RAYON_NUM_THREADS"] = "1"
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

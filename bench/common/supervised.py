@@ -1,7 +1,8 @@
-"""What bench/restart_breakdown.py and bench/gpu_acceptance.py share: a corpus prepared from
-local text, `m3run launch` in a subprocess as a user runs it, waiting on what the run dir says,
-SIGKILLing the worker, and splitting a start or a restart into its phases from events.jsonl
-(supervisor) and the worker's `startup_times` record in metrics.jsonl.
+"""What bench/runner/restart_breakdown.py and bench/acceptance/ (gpu_acceptance.py,
+deterministic_resume.py) share: a corpus prepared from local text, `m3run launch` in a
+subprocess as a user runs it, waiting on what the run dir says, SIGKILLing the worker, and
+splitting a start or a restart into its phases from events.jsonl (supervisor) and the worker's
+`startup_times` record in metrics.jsonl.
 
 Torch-free: like the supervisor, these scripts never hold GPU memory themselves.
 """
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 STEADY_STEPS = 3  # steps logged after a first step, for its steady step time
@@ -45,7 +46,7 @@ def check_packages(script: str, extra: tuple[str, ...] = ()) -> None:
             "m3run needs (pynvml is nvidia-ml-py, yaml is pyyaml). Fix: install them, or carry "
             "their wheels and put them on PYTHONPATH"
         )
-    if importlib.util.find_spec("runner") is None:
+    if importlib.util.find_spec("m3run") is None:
         raise SystemExit(f"{script}: m3run is not importable. Fix: PYTHONPATH={REPO}")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 
 from m3run.kernels.mamba3 import launching as lp
 from m3run.kernels.mamba3 import triton_siso
@@ -64,8 +63,8 @@ def edited_plan(edits: dict | None):
 def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str], dict]:
     """``NAME:KEY=VALUE,...`` → (NAME, config overrides, launch-plan edits). A KEY whose first
     part names a scan kernel (``bwd_chunk.hpp``) edits the plan; with ``config_keys`` any other
-    is a config override (``train.compile_mode``), or, starting with ``@``, a code switch for
-    :func:`switched` (``@m3run.kernels.swiglu.BLOCK=2048``), else an error."""
+    is the caller's: a config override (``train.compile_mode``), or, starting with ``@``, an
+    option bench_train.py passes to the Trainer (``@overlap=0``); without it, an error."""
     name, _, body = spec.partition(":")
     sets: list[str] = []
     edits: dict[str, dict] = {}
@@ -81,46 +80,3 @@ def parse_variant(spec: str, config_keys: bool = False) -> tuple[str, list[str],
         form = "KEY=VALUE" if config_keys else "KERNEL.FIELD=VALUE"
         raise SystemExit(f"--variant {spec!r}: give NAME:{form},...")
     return name, sets, edits
-
-
-def parse_switch(item: str) -> tuple[object, str, int]:
-    """``@MODULE.ATTR=INT`` or ``@MODULE.CLASS.ATTR=INT`` → (owner, attribute, value): one of the
-    code's module or class constants (``@m3run.kernels.swiglu.BLOCK=2048``) or a library's option
-    (``@torch._inductor.config.triton.mix_order_reduction_split_size=64``), checked to exist
-    and to hold an int, a bool or None (an option left to the library)."""
-    path, _, value = item[1:].partition("=")
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:-1]:
-            owner = getattr(owner, name, None)
-        attr = parts[-1]
-        known = owner is not None and hasattr(owner, attr)
-        known = known and (getattr(owner, attr) is None or isinstance(getattr(owner, attr), int))
-        if known and value.lstrip("-").isdigit():
-            return owner, attr, int(value)
-        break
-    raise SystemExit(
-        f"--variant switch {item!r}: give @MODULE[.CLASS].ATTR=INT naming an int, bool or "
-        "unset (None) constant of the code or option of a library"
-    )
-
-
-@contextlib.contextmanager
-def switched(items: list[str]):
-    """Within: each ``@MODULE[.CLASS].ATTR=INT`` of ``items`` set (a bool constant to the int's
-    truth), restored after."""
-    saved = []
-    try:
-        for item in items:
-            owner, attr, value = parse_switch(item)
-            old = getattr(owner, attr)
-            saved.append((owner, attr, old))
-            setattr(owner, attr, bool(value) if isinstance(old, bool) else value)
-        yield
-    finally:
-        for owner, attr, old in reversed(saved):
-            setattr(owner, attr, old)

@@ -1,9 +1,9 @@
 """Throughput of m3run's real training step (the worker's `Trainer.train_step`).
 
-    python bench/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
-    PYTHONPATH=.:<dir holding mamba_ssm/> python bench/bench_train.py --micro-batch 16 --anchor
+    python bench/step/bench_train.py --micro-batch 8 16 [--steps 10] [--no-compile] [--profile]
+    PYTHONPATH=.:<dir holding mamba_ssm/> python bench/step/bench_train.py --micro-batch 16 --anchor
         [--variant whole:train.compile_scope=model --variant h2:bwd_chunk.hpp=2]
-    python bench/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
+    python bench/step/bench_train.py --dry-run --anchor      # the script itself, on CPU, in seconds
 
 For each micro-batch size it builds the worker exactly as `m3run train` does (model, chunked
 linear cross-entropy, AdamW, accumulation, bf16 autocast, torch.compile) from the A100 recipe,
@@ -17,20 +17,19 @@ small corpus prepared on the spot with the recipe's sequence length, so the data
 real one too. Each result lists its timed steps one by one and the Python collections that
 ran among them; --trace DIR then runs two more steps under torch.profiler with the host's
 threads and operator shapes and writes them as a gzipped Chrome trace, which
-bench/trace_report.py reads (where the GPU waited and what the host did meanwhile; each matmul
+bench/step/trace_report.py reads (where the GPU waited and what the host did meanwhile; each matmul
 shape's calls, time and TFLOP/s).
 
 --anchor also trains, in the same process and at the same micro-batch, accumulation, autocast,
 compile mode and fused AdamW, a same-size LM whose mixer is the official mamba_ssm Mamba-3
-module (bench/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
+module (bench/step/anchor_lm.py), and prints its line and the ratio ours / official. Its Triton
 autotuner runs in its first step, which can take minutes: that step is reported apart.
 
 --variant NAME:KEY=VALUE,... (repeatable) then trains ours again under config overrides
 (``train.compile_scope=model``), scan launch-plan edits (``bwd_chunk.hpp=2``, the fields of
-bench_scan_gpu.py's --variant) and switches of the code's constants
-(``@m3run.runner.worker.update.GuardedUpdate.IN_KERNEL=0``, ``@m3run.kernels.swiglu.BLOCK=2048``),
-printed as ours[NAME] with its ratio to ours and to the anchor: a candidate is timed in the
-step, beside the official module, in one call.
+bench_scan_gpu.py's --variant) and the trainer's options (``@overlap=0``: no forward run ahead
+of the step's host read, no update beside it), printed as ours[NAME] with its ratio to ours and
+to the anchor: a candidate is timed in the step, beside the official module, in one call.
 
 --dry-run runs the same code on CPU with the tiny demo recipe in fp32 without compilation, and
 the anchor on m3run's own mixer in place of the official one (whose kernels need a GPU); when
@@ -45,12 +44,16 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+
 import torch
-from plan_edits import edited_plan, parse_switch, parse_variant, switched
+from plan_edits import edited_plan, parse_variant
 from step_probes import (
     PROFILED_STEPS,
     device_spans,
@@ -63,9 +66,23 @@ from step_probes import (
     timing_lines,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
+# The Trainer's keyword options a --variant may set (``@NAME=0|1``): what the worker always runs
+# on, turned off to time what it saves.
+TRAINER_OPTIONS = ("overlap",)
+
+
+def trainer_option(item: str, spec: str) -> tuple[str, bool]:
+    """``@NAME=0|1`` of a --variant → (NAME, on), NAME one of TRAINER_OPTIONS, or exit."""
+    name, _, value = item[1:].partition("=")
+    if name not in TRAINER_OPTIONS or value not in ("0", "1"):
+        raise SystemExit(
+            f"--variant {spec!r}: {item!r} is not @NAME=0|1 with NAME one of "
+            f"{', '.join(TRAINER_OPTIONS)}"
+        )
+    return name, value == "1"
 
 
 def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: Path,
@@ -101,12 +118,13 @@ def bench_one(
     peak: float | None,
     trace: Path | None = None,
     label: str = "",
+    options: dict[str, bool] | None = None,
 ) -> dict:
     from m3run.runner.worker.trainer import Trainer
 
     micro = cfg.train.micro_batch_size
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-mb{micro}-"))
-    trainer = Trainer(cfg, run_dir, resume="none", force=True)
+    trainer = Trainer(cfg, run_dir, resume="none", force=True, **(options or {}))
     trainer.setup()
     trainer.model.train()
     cuda = trainer.device.type == "cuda"
@@ -235,7 +253,7 @@ def anchor_factory(cfg, dry_run: bool):
             raise SystemExit(
                 f"bench_train.py --anchor: the official-mixer LM has {theirs:,} parameters "
                 f"against {ours:,} for ours at the same shapes: the constructor mapping in "
-                "bench/anchor_lm.py (official_mixer_kwargs) no longer matches"
+                "bench/step/anchor_lm.py (official_mixer_kwargs) no longer matches"
             )
         print(f"anchor: official Mamba-3 mixer, {theirs:,} parameters (ours: the same)")
     if dry_run:
@@ -318,9 +336,8 @@ def main() -> None:
         default=[],
         metavar="NAME:KEY=VALUE,...",
         help="after the anchor, also ours with these config overrides (on top of --set), "
-        "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2) and code switches "
-        "(@MODULE[.CLASS].ATTR=INT, e.g. @m3run.kernels.swiglu.BLOCK=2048), as ours[NAME] "
-        "(repeatable)",
+        "scan launch-plan edits (KERNEL.FIELD=VALUE, e.g. bwd_chunk.hpp=2) and trainer options "
+        f"(@NAME=0|1, NAME one of {', '.join(TRAINER_OPTIONS)}), as ours[NAME] (repeatable)",
     )
     ap.add_argument(
         "--rounds",
@@ -339,15 +356,13 @@ def main() -> None:
         raise SystemExit(f"--warmup must be ≥ 1 (the first step is timed apart), got {a.warmup}")
     if a.rounds < 1 or (a.rounds > 1 and not a.anchor):
         raise SystemExit(f"--rounds must be ≥ 1 and needs --anchor beyond 1, got {a.rounds}")
-    # (name, config overrides, plan edits, code switches); a misspelt switch fails now, not
+    # (name, config overrides, plan edits, trainer options); a misspelt option fails now, not
     # after the anchor's minutes.
     variants = []
     for spec in a.variant:
         name, sets, edits = parse_variant(spec, config_keys=True)
-        switches = [s for s in sets if s.startswith("@")]
-        for item in switches:
-            parse_switch(item)
-        variants.append((name, [s for s in sets if s not in switches], edits, switches))
+        options = dict(trainer_option(s, spec) for s in sets if s.startswith("@"))
+        variants.append((name, [s for s in sets if not s.startswith("@")], edits, options))
     micro_batches = a.micro_batch or ([4] if a.dry_run else [8, 16])
     steps = a.steps or (2 if a.dry_run else 10)
     if not a.dry_run and not torch.cuda.is_available():
@@ -390,16 +405,16 @@ def main() -> None:
         scope = "model" if a.compile_scope == "model" else "blocks"
 
         def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum,
-                 variant: tuple[str, list[str], dict, list[str]] | None = None,
+                 variant: tuple[str, list[str], dict, dict[str, bool]] | None = None,
                  ) -> dict:  # fmt: skip
-            name, sets, edits, switches = variant or ("", [], {}, [])
+            name, sets, edits, options = variant or ("", [], {}, {})
             c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
                            resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
-            with edited_plan(edits), switched(switches):
-                res = bench_one(c, steps, a.warmup, a.profile, peak, a.trace, name)
+            with edited_plan(edits):
+                res = bench_one(c, steps, a.warmup, a.profile, peak, a.trace, name, options)
             if name:
                 res["impl"] += f"[{name}]"
-                res["variant"] = {"sets": sets, "plan_edits": edits, "switches": switches}
+                res["variant"] = {"sets": sets, "plan_edits": edits, "trainer": options}
             keep(res)
             print(line(res), flush=True)
             for text in timing_lines(res):

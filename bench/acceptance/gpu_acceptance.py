@@ -1,7 +1,7 @@
 """A supervised run on one GPU as a user runs it, through a crash and a spot preemption.
 
-    PYTHONPATH=. python bench/gpu_acceptance.py --out OUT --bench-tokens-per-s 104400
-    PYTHONPATH=. python bench/gpu_acceptance.py --dry-run --out OUT    # CPU: the script itself
+    PYTHONPATH=. python bench/acceptance/gpu_acceptance.py --out OUT --bench-tokens-per-s 104400
+    PYTHONPATH=. python bench/acceptance/gpu_acceptance.py --dry-run --out OUT   # CPU: the script
 
 1. prepares a corpus from this Python's standard library sources (`m3run prepare-data stdlib`,
    no download);
@@ -18,7 +18,7 @@
 
 It reports tokens/s from the heartbeat against the benchmark figure given, each checkpoint's
 training stall and write time (the worker's "saved checkpoint" lines), the restart time split
-into phases (as bench/restart_breakdown.py does), the preemption's save-and-exit time, every
+into phases (as bench/runner/restart_breakdown.py does), the preemption's save-and-exit time, every
 checkpoint before and after each event with a full sha256 verification at the end (no complete
 checkpoint may be lost), and the loss curve (`m3run plot`). OUT gets gpu_acceptance.json,
 gpu_acceptance.md, loss.png and events.jsonl; the run dir, the corpus and the compile caches
@@ -35,6 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import supervised as sv
 

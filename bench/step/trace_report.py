@@ -1,6 +1,6 @@
 """What a `bench_train.py --trace` file says about a training step, in three parts.
 
-    python bench/trace_report.py OUT/trace-ours.json.gz [--gaps 12] [--floor-us 20]
+    python bench/step/trace_report.py OUT/trace-ours.json.gz [--gaps 12] [--floor-us 20]
 
 1. Per profiled step: the host's time, the GPU's span, its kernel time and idle time, and the
    idle split into gaps of at least ``--floor-us`` and the many small ones between kernels.
@@ -20,9 +20,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 from step_probes import gap_walk
 

@@ -2,7 +2,7 @@
 kernel (when its source is importable) and the PyTorch chunked reference, forward and
 forward+backward, in one process.
 
-    python bench/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
+    python bench/kernels/bench_scan_gpu.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                                    [--chunk 64] [--no-ref] [--kernels] [--doc-len N] [--rounds 3]
                                    [--shared-angles] [--host]
                                    [--variant NAME:KERNEL.FIELD=VALUE,... ...] [--row-width W ...]
@@ -34,6 +34,9 @@ import sys
 import time
 import types
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,6 @@
 """A supervised data-parallel run that loses a rank: the group restarts and resumes exactly.
 
-    python bench/ddp_restart.py [--nproc 2] [--steps 40] [--kill-after 15]
+    python bench/runner/ddp_restart.py [--nproc 2] [--steps 40] [--kill-after 15]
 
 Runs `m3run launch` twice on the same config with distributed.nproc_per_node=N: once
 uninterrupted, once with one rank SIGKILLed after step --kill-after. Prints the supervisor's
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def losses(run_dir: Path) -> dict[int, float]:

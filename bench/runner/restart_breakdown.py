@@ -1,8 +1,9 @@
 """Where the time goes from `m3run launch` to the first training step, and from a SIGKILLed
 worker to the first optimizer step of the worker the supervisor restarts from a checkpoint.
 
-    PYTHONPATH=. python bench/restart_breakdown.py --out OUT [--restarts cold warm] [--caches DIR]
-    PYTHONPATH=. python bench/restart_breakdown.py --dry-run --out OUT   # CPU: the script itself
+    PYTHONPATH=. python bench/runner/restart_breakdown.py --out OUT [--restarts cold warm] \
+        [--caches DIR]
+    PYTHONPATH=. python bench/runner/restart_breakdown.py --dry-run --out OUT  # CPU: the script
 
 On one GPU it prepares a corpus from this Python's standard library sources (no download),
 launches the A100 recipe as a short run on it the way a user does (`m3run launch
@@ -33,6 +34,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import supervised as sv
 

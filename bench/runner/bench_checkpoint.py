@@ -1,7 +1,7 @@
 """Training stall of a checkpoint save: background (checkpoint.async_save) vs synchronous.
 
-    python bench/bench_checkpoint.py --preset 434m --dir /tmp/ckbench [--reps 3]
-    python bench/bench_checkpoint.py --preset tiny --dir /tmp/ckbench     # CPU smoke
+    python bench/runner/bench_checkpoint.py --preset 434m --dir /tmp/ckbench [--reps 3]
+    python bench/runner/bench_checkpoint.py --preset tiny --dir /tmp/ckbench     # CPU smoke
 
 Builds the real model of the preset and a real AdamW state (one optimizer step on random tokens,
 so both moments exist), then saves it the way the worker does, alternating the two modes:
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

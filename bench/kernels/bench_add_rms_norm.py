@@ -1,7 +1,7 @@
 """GPU speed of the residual add + RMSNorm operator's backward kernel (kernels/add_rms_norm.py)
 alone, over launch configurations: rows a tile × warps × programs.
 
-    PYTHONPATH=. python bench/bench_add_rms_norm.py [--b 16 --t 2048 --d 1024]
+    PYTHONPATH=. python bench/kernels/bench_add_rms_norm.py [--b 16 --t 2048 --d 1024]
         [--rows 1 2 4 8 --warps 4 8 16 --programs 512 1024 2048 4096]
 
 For each configuration: the backward operator's time (CUDA events, mean of 50 after 3

@@ -1,16 +1,16 @@
 """What the model learns per token: Mamba3LM against the same LM on the official Mamba-3 module.
 
-    PYTHONPATH=.:<dir holding mamba_ssm/>:bench python3 bench/bench_quality.py
+    PYTHONPATH=.:<dir holding mamba_ssm/> python3 bench/step/bench_quality.py
         [--seeds 0 1 2] [--steps 500] [--micro-batch 8] [--models official ours]
         [--variant softplus:model.A_activation=softplus] [--data DIR] [--json FILE]
-    PYTHONPATH=.:bench python3 bench/bench_quality.py --dry-run     # the script, on CPU
+    PYTHONPATH=. python3 bench/step/bench_quality.py --dry-run     # the script, on CPU
 
 Every model trains in this one process on one token stream (the same windows in the same
 order for every model and seed), with the same loop: AdamW over the same parameter groups
 (runner.worker.build.build_optimizer), the worker's learning-rate schedule (warmup, cosine),
 gradient clipping, bf16 autocast, torch.compile in the recipe's mode, one micro-batch size.
 Only the init seed changes from run to run; all models draw their non-mixer weights by the
-same rule (bench/anchor_lm.py). Per run it prints the mean training loss of the last 25 steps
+same rule (bench/step/anchor_lm.py). Per run it prints the mean training loss of the last 25 steps
 and the loss on a fixed held-out set, then per model their mean and spread over the seeds and
 the difference from the official module.
 
@@ -40,16 +40,20 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+
 import torch
 from plan_edits import parse_variant
 from step_probes import sync
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 # The training loss reported for a run: the mean over its last LAST_STEPS steps.

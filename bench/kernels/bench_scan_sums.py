@@ -2,7 +2,7 @@
 head sum of grouped q, k (with each head's bias partials, as at one head a chunk program, and
 without them, as the chunk kernel leaves it at several) followed by the parameters' sum.
 
-    PYTHONPATH=. python bench/bench_scan_sums.py [--b 16 --t 2048 --h 32 --n 64 --chunk 32]
+    PYTHONPATH=. python bench/kernels/bench_scan_sums.py [--b 16 --t 2048 --h 32 --n 64 --chunk 32]
 
 Each (partials, warps, rows a program, stages) is checked against PyTorch (the group sums
 bitwise, the bias sums within fp32 rounding) and timed with ``triton.testing.do_bench``

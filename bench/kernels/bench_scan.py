@@ -1,8 +1,9 @@
 """Speed of the Mamba-3 SISO scan references: chunked vs recurrent (forward and forward+backward).
 
-    python bench/bench_scan.py [--b 2 --t 512 --h 8 --p 64 --n 64 --s 16] [--device cpu|cuda]
+    python bench/kernels/bench_scan.py [--b 2 --t 512 --h 8 --p 64 --n 64 --s 16] \
+        [--device cpu|cuda]
 
-Prints a table. On CUDA the Triton kernel has its own benchmark (bench/bench_scan_gpu.py).
+Prints a table. On CUDA the Triton kernel has its own benchmark (bench/kernels/bench_scan_gpu.py).
 """
 
 from __future__ import annotations

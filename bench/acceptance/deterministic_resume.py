@@ -1,7 +1,8 @@
 """With train.deterministic on, a run SIGKILLed and resumed reproduces the uninterrupted run.
 
-    PYTHONPATH=. python bench/deterministic_resume.py --out OUT [--steps 40] [--kill-after 15]
-    PYTHONPATH=. python bench/deterministic_resume.py --dry-run --out OUT   # CPU: the script
+    PYTHONPATH=. python bench/acceptance/deterministic_resume.py --out OUT [--steps 40] \
+        [--kill-after 15]
+    PYTHONPATH=. python bench/acceptance/deterministic_resume.py --dry-run --out OUT  # CPU
 
 On one GPU it launches the same short supervised run twice, as a user does (`m3run launch`): the
 demo model on CUDA with bf16 autocast, torch.compile and the Triton scan, packed documents with
@@ -21,6 +22,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import supervised as sv
 

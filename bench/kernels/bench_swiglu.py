@@ -2,7 +2,8 @@
 (kernels/swiglu.py), each compiled as the trainer compiles (inductor, model.lm.compile_options)
 and eager, forward+backward under bf16 autocast, in one process.
 
-    PYTHONPATH=. python bench/bench_swiglu.py [--d-model 1024 --d-hidden 3072 --b 16 --t 2048]
+    PYTHONPATH=. python bench/kernels/bench_swiglu.py [--d-model 1024 --d-hidden 3072 \
+        --b 16 --t 2048]
 
 Prints the wall time of one forward+backward (mean of 20 after 3 warm-ups), the peak memory and
 the GPU kernels of one call (torch.profiler), largest first.
@@ -11,7 +12,12 @@ the GPU kernels of one call (torch.profiler), largest first.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+# The helpers the bench scripts share live in bench/common, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import torch
 from m3run.model.layers import SwiGLU

@@ -1,6 +1,6 @@
 """Choose the Triton scan's launch plans on this GPU and write them into the checked-in table.
 
-    python bench/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
+    python bench/kernels/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                               [--chunk 64 ...] [--only bwd_chunk ...] [--dtype bf16] [--no-reset]
                               [--out kernels/mamba3/launch_table.py]
 

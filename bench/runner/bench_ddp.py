@@ -1,6 +1,6 @@
 """Data-parallel scaling of the real worker: 1 process vs N processes under torchrun.
 
-    python bench/bench_ddp.py --nproc 2 [--preset 434m] [--steps 8] [--compile]
+    python bench/runner/bench_ddp.py --nproc 2 [--preset 434m] [--steps 8] [--compile]
 
 Runs `python -m m3run.runner.train` (1 process) and `torchrun --nproc-per-node N -m
 m3run.runner.train` with the same global batch (accumulation adjusts), reads tokens/s from each
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(nproc: int, run_dir: Path, overrides: list[str], env: dict) -> tuple[float, float]:
