@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import importlib
 
-from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_siso
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(lp.LaunchConfig))

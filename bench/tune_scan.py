@@ -19,15 +19,15 @@ import ast
 from pathlib import Path
 
 import torch
-from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_common as tc
-from m3run.kernels.mamba3 import tuning
+from m3run.kernels.mamba3.tools import tuning
 
 
 def _table_configs(arch: str, key: str) -> dict[str, lp.LaunchConfig]:
     """The checked-in table's configurations for this GPU and shape key, the defaults for any
     kernel it does not name."""
-    from m3run.kernels.mamba3.launch_table import TABLE
+    from m3run.kernels.mamba3.plans.table import TABLE
 
     return lp.entry_configs(TABLE.get(arch, {}).get(key, {}))
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--no-reset", action="store_true",
                     help="no packed documents (by default a reset every 512 tokens, as the "
                     "recipes train with data.reset_at_eos)")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
+    ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/plans/table.py"))
     a = ap.parse_args()
 
     dtype = lp.DOT_DTYPES[a.dtype]

@@ -2,7 +2,7 @@
 
 Each command is a thin function over a module: launch → runner.supervisor; status, stop, logs
 and `health --liveness` → runner.runstate; health → runner.health; plot → runner.plot;
-tune-scan → kernels.mamba3.tuning.
+tune-scan → kernels.mamba3.tools.tuning.
 
 Exit codes:
   launch   the supervisor's: 0 finished or stopped by the user · 75 preempted (state saved,
