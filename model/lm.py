@@ -279,8 +279,8 @@ def compile_options(mode: str | None = None) -> dict:
     mode's own, and no padding of row strides. When in_proj was one product with 4,336-column
     rows (z, x, B, C, Δ, A, λ, θ at the 434m preset), inductor padded them to 4,352 and then
     copied x and z back to the traced strides for the scan kernels, whose strides it cannot
-    change: four copies of a (b, t, d_inner) tensor per layer and micro-batch (15 ms of a 505
-    ms step on an H200, docs/benchmarks.md). Kept off since in_proj became three products
+    change: four copies of a (b, t, d_inner) tensor per layer and micro-batch, a measurable
+    share of the step (docs/benchmarks.md). Kept off since in_proj became three products
     (Mamba3Mixer._in_proj), not measured again."""
     from torch._inductor import list_mode_options
 

@@ -8,10 +8,10 @@ as the trainer builds them (runner.worker.build).
 
 The checkpoint round trip (check 7) is disk and hashing work on a CPU copy of the fresh model:
 it starts on a thread as soon as check 3 has built the model and runs beside checks 3–6 (the
-first forward/backward compiles the kernels), and check 7 waits for its verdict. On an H200 it
-took 10 s of a 44 s smoke test run in turn. Under the supervisor it writes inside the run dir
-(a hidden scratch directory, removed after), so it proves the filesystem the run's checkpoints
-go to; `m3run smoke` alone writes to the system's temp directory.
+first forward/backward compiles the kernels), and check 7 waits for its verdict: run in turn,
+it would be a large share of the smoke test's time. Under the supervisor it writes inside the
+run dir (a hidden scratch directory, removed after), so it proves the filesystem the run's
+checkpoints go to; `m3run smoke` alone writes to the system's temp directory.
 
 With train.compile, check 3 runs the model as the worker's steps will: compiled by the trainer's
 own call (build.compile_for_training), at the run's micro-batch and sequence length, under the
@@ -387,8 +387,8 @@ class _Smoke:
         need, extra = peak + 8 * self.model.num_params(), "AdamW moments"
         if self.cfg.train.grad_accum_steps > 1:
             # Check 3's backward allocated the gradients as it freed activations; a later
-            # micro-batch's backward starts with all of them held (the 434m recipe on an
-            # H200: 40.0 GiB estimated without them, 41.9 GiB measured).
+            # micro-batch's backward starts with all of them held (without them the estimate
+            # fell short of the 434m recipe's measured peak).
             need += sum(p.numel() * p.element_size() for p in self.model.parameters())
             extra += " and the gradients held across micro-batches"
         frac = need / total
@@ -497,9 +497,9 @@ def run_smoke(
     ``run_dir`` the checkpoint round trip writes there (see the module docstring);
     ``compile_backend`` is train.compile's torch.compile backend (another one in tests)."""
     result = SmokeResult()
-    # With train.compile, dynamo and inductor import beside checks 1–3's setup (about 8 s of
-    # imports on an H200 host), as the worker imports them beside its own: check 3 took 2–3 s
-    # less on an H200 (docs/benchmarks.md, 2026-12-04 (second)).
+    # With train.compile, dynamo and inductor import beside checks 1–3's setup (seconds of
+    # imports), as the worker imports them beside its own, which shortens check 3
+    # (docs/benchmarks.md).
     stack = import_in_background() if cfg.train.compile else None
     try:
         smoke = _Smoke(
