@@ -114,6 +114,9 @@ def test_torch_free_side_never_imports_torch():
         ),
         ("m3run.runner.worker", ("m3run.runner.supervisor", "m3run.runner.health")),
         ("m3run.runner.health", ("m3run.runner.worker", "m3run.runner.supervisor")),
+        # Imports flow runner → model → kernels: the kernels, their launch plans and tools
+        # included, stand alone.
+        ("m3run.kernels", ("m3run.runner", "m3run.model")),
     ],
 )
 def test_process_sides_do_not_import_each_other(side, forbidden):
