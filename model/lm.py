@@ -131,13 +131,13 @@ class Mamba3LM(nn.Module):
         """Start compiling, on a pool of threads, the scan kernels that training steps on
         (batch, seq_len) windows and their evaluation will launch (in ``dtype``, the autocast
         dtype; with ``reset``, the packed documents' resets), before their first launch
-        (kernels/mamba3/triton_precompile.py). Returns the compile's future (a one-line
+        (kernels/mamba3/tools/precompile.py). Returns the compile's future (a one-line
         summary, or its error), or None where the scan does not run on Triton kernels."""
         device = self.embedding.weight.device
         probe = torch.empty(0, dtype=dtype, device=device)
         if not uses_triton_kernels(self.config.scan_backend, probe):
             return None
-        from m3run.kernels.mamba3.triton_precompile import precompile, scan_launches
+        from m3run.kernels.mamba3.tools.precompile import precompile, scan_launches
 
         c = self.config
         launches = scan_launches(batch, seq_len, c.nheads, c.headdim, c.d_state, c.n_angles,

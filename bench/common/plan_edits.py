@@ -3,7 +3,7 @@ few fields changed (``bwd_chunk.hpp=2``), without touching the checked-in table.
 
 Used by bench_scan_gpu.py (the scan alone, beside the official kernel) and bench_train.py (the
 434m step), so that a candidate is timed where the bar is measured before it goes into
-kernels/mamba3/launch_table.py.
+kernels/mamba3/plans/table.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_siso
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(lp.LaunchConfig))

@@ -2,14 +2,15 @@
 
     python bench/kernels/tune_scan.py [--b 16 --t 2048 --h 32 --p 64 --n 64 --s 16 --g 1]
                               [--chunk 64 ...] [--only bwd_chunk ...] [--dtype bf16] [--no-reset]
-                              [--out kernels/mamba3/launch_table.py]
+                              [--out kernels/mamba3/plans/table.py]
 
-The search is :mod:`m3run.kernels.mamba3.tuning`'s (each kernel timed alone under each candidate, at
-each chunk, on the scan called as the model calls it); ``--only`` tunes some kernels and keeps the
-table's plan for the rest. The result is merged into the table file under this GPU's architecture
-(``sm90`` …) and the tile-shape key of every caller chunk, so a worker reads it at launch and
-never autotunes. The table is checked in; tests/kernels compiles every entry for sm_80 without a
-GPU. A user's GPU the table lacks is tuned by `m3run tune-scan`, into that machine's plans.
+The search is :mod:`m3run.kernels.mamba3.tools.tuning`'s (each kernel timed alone under each
+candidate, at each chunk, on the scan called as the model calls it); ``--only`` tunes some kernels
+and keeps the table's plan for the rest. The result is merged into the table file under this GPU's
+architecture (``sm90`` …) and the tile-shape key of every caller chunk, so a worker reads it at
+launch and never autotunes. The table is checked in; tests/kernels compiles every entry for sm_80
+without a GPU. A user's GPU the table lacks is tuned by `m3run tune-scan`, into that machine's
+plans.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import ast
 from pathlib import Path
 
 import torch
-from m3run.kernels.mamba3 import launching as lp
+from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_common as tc
-from m3run.kernels.mamba3 import tuning
+from m3run.kernels.mamba3.tools import tuning
 
 
 def _table_configs(arch: str, key: str) -> dict[str, lp.LaunchConfig]:
     """The checked-in table's configurations for this GPU and shape key, the defaults for any
     kernel it does not name."""
-    from m3run.kernels.mamba3.launch_table import TABLE
+    from m3run.kernels.mamba3.plans.table import TABLE
 
     return lp.entry_configs(TABLE.get(arch, {}).get(key, {}))
 
@@ -87,7 +88,7 @@ def main() -> None:
     ap.add_argument("--no-reset", action="store_true",
                     help="no packed documents (by default a reset every 512 tokens, as the "
                     "recipes train with data.reset_at_eos)")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/launch_table.py"))
+    ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/plans/table.py"))
     a = ap.parse_args()
 
     dtype = lp.DOT_DTYPES[a.dtype]

@@ -1,11 +1,11 @@
-"""How the Triton scan's kernels are launched: each kernel's launch configuration and the plan a
-call runs under (this machine's tuned plans, else the checked-in table per GPU architecture, else
-safe defaults; read at launch, never tuned in a training process), the tuner's process-wide
-overrides, and ``launch`` itself, which hands a launch to a recorder instead where one is set
-and waits for the kernels' compile ahead.
+"""How one of the Triton scan's kernels is launched: its launch configuration and ``launch``
+itself, which hands the launch to a recorder instead where one is set (the resource report, the
+compile ahead and the tuner record launches rather than run them) and waits for the kernels'
+compile ahead while one is in flight.
 
-``triton_fwd``, ``triton_bwd`` and ``triton_sums`` launch through it, ``triton_siso`` asks it for
-a call's plan; it takes the tile sizes from ``triton_common``.
+``triton_fwd``, ``triton_bwd`` and ``triton_sums`` launch through it. Which configuration a call
+runs under is the launch plans' business (``plans/``), which import this module, never the
+reverse.
 """
 
 from __future__ import annotations
@@ -16,13 +16,7 @@ import threading
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
-import torch
-
-from .triton_common import CHUNK_SIZES, Tiles, interpreting
-
 log = logging.getLogger(__name__)
-
-KERNELS = ("fwd", "bwd_dstate", "bwd_chunk", "bwd_angle")
 
 
 @dataclass(frozen=True)
@@ -77,277 +71,99 @@ class LaunchConfig:
         return out
 
 
-# Used where the table has no entry for the GPU architecture and shape: fits every supported
-# architecture (sm_80 and newer) at every tile size, found by ptxas without spills on sm_80.
-DEFAULT_CONFIGS: dict[str, LaunchConfig] = {
-    "fwd": LaunchConfig(num_warps=4, num_stages=2),
-    "bwd_dstate": LaunchConfig(num_warps=4, num_stages=1),
-    "bwd_chunk": LaunchConfig(num_warps=4, num_stages=1),
-    "bwd_angle": LaunchConfig(num_warps=4, num_stages=2),
-}
+# A compile ahead that outlasts this is waited for no more (logged once): the launches compile
+# what they need themselves rather than stall a worker on a compile that may never end.
+AHEAD_WAIT_S = 300.0
 
 
-# The kernels' chunk where the table has no plan. On an H200 the main backward kernel ran 1.94 ms
-# at chunk 32 against 2.51 ms at 64 (bench/tune_scan.py, 2026-12-01), and compiled for sm_80
-# under the defaults the chunk kernel has no spills at 32 against 836 B per thread at 64
-# (kernels/mamba3/triton_report.py, 2026-12-02).
-DEFAULT_CHUNK = 32
+class LaunchHooks:
+    """What a launch consults before it runs: the recorder it goes to instead, and the compiles
+    ahead it waits for.
+
+    A recorder is per thread (:meth:`set_recorder`), so that recording on one thread never takes
+    another's launches, or process-wide (:meth:`recording_everywhere`, the tuner's): the
+    autograd engine runs a CUDA backward on a thread of its own, so a recorder set for the
+    calling thread alone would leave the backward unrecorded. A thread's own recorder comes
+    first.
+
+    Compiles ahead (tools/precompile.py's futures): a launch meanwhile waits for them, because
+    the kernel it needs is most likely among theirs, and compiling it again on the launching
+    thread would take as long as the pool's compile of every kernel. The list empties as they
+    end, so a launch pays one truth test of an empty list."""
+
+    def __init__(self) -> None:
+        self._thread = threading.local()
+        self._everywhere = None
+        self._ahead: list[Future] = []
+
+    def set_recorder(self, recorder) -> None:
+        self._thread.recorder = recorder
+
+    @contextlib.contextmanager
+    def recording_everywhere(self, recorder):
+        before, self._everywhere = self._everywhere, recorder
+        try:
+            yield
+        finally:
+            self._everywhere = before
+
+    def recorder(self):
+        """The recorder this thread's launches go to, or None."""
+        return getattr(self._thread, "recorder", None) or self._everywhere
+
+    def compiling_ahead(self, future: Future) -> None:
+        self._ahead.append(future)
+        future.add_done_callback(self._ahead_ended)
+
+    def _ahead_ended(self, future: Future) -> None:
+        with contextlib.suppress(ValueError):  # given up on already
+            self._ahead.remove(future)
+
+    def wait_ahead(self) -> None:
+        """Wait for the compiles ahead in flight, each at most AHEAD_WAIT_S."""
+        for future in list(self._ahead):
+            done, _ = wait([future], timeout=AHEAD_WAIT_S)
+            if not done:
+                self._ahead_ended(future)
+                log.warning(
+                    "the scan kernels' compile ahead still runs after %.0f s: launches compile "
+                    "their kernels themselves from here on", AHEAD_WAIT_S,
+                )  # fmt: skip
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a compile ahead is in flight."""
+        return bool(self._ahead)
 
 
-# The dot dtypes the kernels take, by the name the launch table's keys give them.
-DOT_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DOT_DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The launch table's name of a dot dtype (KeyError for one the kernels do not take)."""
-    return _DTYPE_NAMES[dtype]
-
-
-def shape_key(tiles: Tiles, dtype: torch.dtype) -> str:
-    """The launch table's key of a call: tile sizes and the dot dtype (fp32 tiles take twice the
-    registers)."""
-    return f"c{tiles.BT}-p{tiles.BP}-n{tiles.BN}-{dtype_name(dtype)}"
-
-
-def arch_key(device: torch.device) -> str:
-    if torch.compiler.is_compiling():  # traced: nothing cached (a dict read would be guarded)
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm{major}{minor}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _capabilities.get(index)
-    if cap is None:
-        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return f"sm{cap[0]}{cap[1]}"
-
-
-_capabilities: dict[int, tuple[int, int]] = {}  # by device index
-_fallback_logged: set[tuple] = set()
-# The plan of each (arch, p, n, chunk, dtype) a call has asked for, with the local plans it was
-# read against: three lookups a forward and backward took 0.25 ms of the host's 2.4 ms on an H200
-# host (docs/benchmarks.md, 2026-12-04 (fifth)), more than a launch.
-_plans_seen: dict[tuple, tuple[object, Plan]] = {}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one call runs: the chunk the kernels use (the result does not depend on it beyond
-    rounding, so the table may pick another than the caller's) and each kernel's launch."""
-
-    chunk: int
-    configs: dict[str, LaunchConfig]
-
-
-def plan_for(device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
-    """The plan a call runs under: one forced on the process (:func:`forcing_plan`, the tuner's),
-    else the tuned plan for this GPU architecture and shape (:func:`plan_source` says from
-    where), else the defaults, logged once: the caller's chunk capped at DEFAULT_CHUNK and
-    DEFAULT_CONFIGS. The interpreter and CPU tensors run the caller's chunk with the defaults."""
-    if _tuner.plan is not None:
-        return _tuner.plan
-    if interpreting() or device.type != "cuda":
-        return Plan(chunk_size, dict(DEFAULT_CONFIGS))
-    if torch.compiler.is_compiling():  # traced (the scan's segment ids take the plan's chunk)
-        return _plan_of(arch_key(device), p, n, chunk_size, dtype)
-    from . import local_plans
-
-    seen_key, local = (arch_key(device), p, n, chunk_size, dtype), local_plans.entries()
-    seen = _plans_seen.get(seen_key)
-    if seen is not None and seen[0] is local:  # read against the same local plans
-        return seen[1]
-    plan = _plan_of(*seen_key)
-    _plans_seen[seen_key] = (local, plan)
-    return plan
-
-
-def _plan_of(arch: str, p: int, n: int, chunk_size: int, dtype: torch.dtype) -> Plan:
-    key = shape_key(Tiles.of(p, n, chunk_size), dtype)
-    found = _tuned(arch, key)
-    if found is None:
-        # Not while torch.compile traces the scan's caller: a log call there breaks the graph
-        # (a block's one graph became eight on an H200); the first call that runs logs it.
-        if (arch, key) not in _fallback_logged and not torch.compiler.is_compiling():
-            _fallback_logged.add((arch, key))
-            log.warning("mamba3 scan: %s", _untuned_message(arch, key))
-        return untuned_plan(chunk_size)
-    return found[0]
-
-
-def untuned_plan(chunk_size: int) -> Plan:
-    """What a call of ``chunk_size`` runs where no tuned plan exists: its chunk capped at
-    DEFAULT_CHUNK, with DEFAULT_CONFIGS (the tuners time their plans against it)."""
-    return Plan(min(chunk_size, DEFAULT_CHUNK), dict(DEFAULT_CONFIGS))
-
-
-def plan_source(device: torch.device, p: int, n: int, chunk_size: int,
-                dtype: torch.dtype) -> str:  # fmt: skip
-    """Where :func:`plan_for` takes this shape's plan from on ``device``, in words (for the smoke
-    test's report): this machine's tuned plans, the checked-in table, or the defaults and how to
-    tune them."""
-    if interpreting() or device.type != "cuda":
-        return "the default launch plans (no CUDA device)"
-    from . import local_plans
-
-    arch, key = arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
-    found = _tuned(arch, key)
-    if found is None:
-        return _untuned_message(arch, key)
-    plan, local = found
-    where = (f"tuned on this machine ({local_plans.plans_path()})" if local
-             else "the checked-in launch table")  # fmt: skip
-    return f"{where} ({arch} {key}, chunk {plan.chunk})"
-
-
-def has_tuned_plan(device: torch.device, p: int, n: int, chunk_size: int,
-                   dtype: torch.dtype) -> bool:  # fmt: skip
-    """Whether this shape has a tuned plan on ``device`` (this machine's or the table's)."""
-    return _tuned(arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)) is not None
-
-
-def _untuned_message(arch: str, key: str) -> str:
-    from .local_plans import TUNE_COMMAND, plans_path
-
-    return (f"no tuned launch plan for {arch} {key} (neither in kernels/mamba3/launch_table.py "
-            f"nor in {plans_path()}): running the defaults, slower; run `{TUNE_COMMAND}` on "
-            "this GPU once to tune them")  # fmt: skip
-
-
-def _tuned(arch: str, key: str) -> tuple[Plan, bool] | None:
-    """The plan tuned on this machine (`m3run tune-scan`; its entries checked when read), else
-    the checked-in table's, and whether it is this machine's; None when neither has one.
-    torch.compile traces this (the scan's segment ids take the plan's chunk): dict reads only."""
-    from . import local_plans
-    from .launch_table import TABLE
-
-    entry, local = local_plans.lookup(arch, key), True
-    if entry is None:
-        entry, local = TABLE.get(arch, {}).get(key), False
-    if entry is None:
-        return None
-    return Plan(int(entry["chunk"]), entry_configs(entry)), local
-
-
-def _entry_error(entry: dict) -> str | None:
-    """Why a stored entry makes no plan (None: it does)."""
-    if entry.get("chunk") not in CHUNK_SIZES:
-        return f"chunk {entry.get('chunk')!r} is not one of {CHUNK_SIZES}"
-    unknown = sorted(set(entry) - {"chunk", *KERNELS})
-    if unknown:
-        return f"unknown kernels {unknown}"
-    try:
-        entry_configs(entry)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    return None
-
-
-class _Tuner:
-    """What the tuner (kernels/mamba3/tuning.py, in a process that does nothing else) sets for
-    every thread of the process: the autograd engine runs a CUDA backward on a thread of its own,
-    so a plan or a recorder set for the calling thread alone would leave the backward under the
-    table's plan (at another chunk than the forward's saved states) and unrecorded."""
-
-    plan: Plan | None = None
-    recorder = None
-
-
-_tuner = _Tuner()
-
-
-@contextlib.contextmanager
-def forcing_plan(plan: Plan):
-    """Within this block every scan of the process runs under ``plan``, whatever the tables say
-    (the tuner's; see :class:`_Tuner`)."""
-    before, _tuner.plan = _tuner.plan, plan
-    try:
-        yield
-    finally:
-        _tuner.plan = before
-
-
-@contextlib.contextmanager
-def recording_everywhere(recorder):
-    """Within this block every thread's launches go to ``recorder`` (as :func:`set_recorder`,
-    which one thread's recorder overrides), the autograd engine's included (the tuner's)."""
-    before, _tuner.recorder = _tuner.recorder, recorder
-    try:
-        yield
-    finally:
-        _tuner.recorder = before
-
-
-def entry_configs(entry: dict) -> dict[str, LaunchConfig]:
-    """A launch-table entry's configuration of every kernel, the default where it names none."""
-    return {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
-            for name in KERNELS}  # fmt: skip
-
-
-def _read_local_plans() -> None:
-    from . import local_plans
-
-    local_plans.load(_entry_error)
-
-
-_read_local_plans()  # now, not under torch.compile's trace of plan_for
-
-
-# --- launching ---------------------------------------------------------------------------------
-
-# Where this thread's launches go instead of the GPU while a recorder is set: triton_report
-# compiles them for a chosen architecture without a GPU (registers, spills, shared memory), and
-# triton_precompile compiles them before their first use. Per thread, so that recording on one
-# thread never takes another's launches.
-_recording = threading.local()
+_hooks = LaunchHooks()
 
 
 def set_recorder(recorder) -> None:
     """Hand this thread's launches to ``recorder(name, kernel, grid, args, constexprs, cfg)``
     instead of launching them (None: launch them again)."""
-    _recording.recorder = recorder
+    _hooks.set_recorder(recorder)
 
 
-# Compiles ahead in flight (triton_precompile's futures). A launch meanwhile waits for them: the
-# kernel it needs is most likely among theirs, and compiling it again on the launching thread
-# would take as long as the pool's compile of every kernel. Empty once they end, so a launch
-# pays one truth test of an empty list. A compile ahead that outlasts AHEAD_WAIT_S is waited for
-# no more (logged once): the launches compile what they need themselves.
-_ahead: list[Future] = []
-AHEAD_WAIT_S = 300.0
+def recording_everywhere(recorder):
+    """A context within which every thread's launches go to ``recorder`` (as
+    :func:`set_recorder`, which one thread's recorder overrides), the autograd engine's
+    included (the tuner's; see :class:`LaunchHooks`)."""
+    return _hooks.recording_everywhere(recorder)
 
 
 def compiling_ahead(future: Future) -> None:
     """Launches wait for ``future`` (a compile ahead of them) until it ends."""
-    _ahead.append(future)
-    future.add_done_callback(_ahead_ended)
-
-
-def _ahead_ended(future: Future) -> None:
-    with contextlib.suppress(ValueError):  # given up on already
-        _ahead.remove(future)
-
-
-def _wait_ahead() -> None:
-    for future in list(_ahead):
-        done, _ = wait([future], timeout=AHEAD_WAIT_S)
-        if not done:
-            _ahead_ended(future)
-            log.warning(
-                "the scan kernels' compile ahead still runs after %.0f s: launches compile "
-                "their kernels themselves from here on", AHEAD_WAIT_S,
-            )  # fmt: skip
+    _hooks.compiling_ahead(future)
 
 
 def launch(name: str, kernel, grid: tuple, args: tuple, constexprs: dict, cfg: LaunchConfig):
-    """Launch ``kernel`` (the launch table calls it ``name``) on ``grid``, or hand it to this
+    """Launch ``kernel`` (the launch plans call it ``name``) on ``grid``, or hand it to this
     thread's recorder; while a compile ahead runs, after it."""
-    recorder = getattr(_recording, "recorder", None) or _tuner.recorder
+    recorder = _hooks.recorder()
     if recorder is not None:
         recorder(name, kernel, grid, args, constexprs, cfg)
         return
-    if _ahead:
-        _wait_ahead()
+    if _hooks.waiting:
+        _hooks.wait_ahead()
     kernel[grid](*args, **constexprs, **cfg.launch_kwargs())

@@ -2,10 +2,11 @@
 entry point.
 
 The kernels live in :mod:`m3run.kernels.mamba3.triton_fwd` and
-:mod:`m3run.kernels.mamba3.triton_bwd`; the chunk they use and their launch configurations come from
-:func:`m3run.kernels.mamba3.launching.plan_for` (a checked-in table per GPU architecture and
-shape). What stays in PyTorch here: folding a carried ``initial_state`` into the augmented start
-state (autograd takes it back to its four parts) and the final ``k_state`` / ``v_state``.
+:mod:`m3run.kernels.mamba3.triton_bwd`; the chunk they use and their launch configurations come
+from :func:`m3run.kernels.mamba3.plans.plan_for` (this machine's tuned plans, else a checked-in
+table per GPU architecture and shape). What stays in PyTorch here: folding a carried
+``initial_state`` into the augmented start state (autograd takes it back to its four parts) and
+the final ``k_state`` / ``v_state``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .launching import plan_for
 from .naive import State, rotate_pairs
+from .plans import plan_for
 from .triton_bwd import siso_bwd
 from .triton_common import TRITON_IMPORT_ERROR, Tiles, shape_error
 from .triton_fwd import siso_fwd
@@ -34,18 +35,18 @@ def segment_ids(reset: Tensor, chunk: int) -> Tensor:
     if nc * chunk != t:
         reset = F.pad(reset, (0, nc * chunk - t))
     # One kernel where t is whole chunks (eager: the zero-filled copy took three more launches,
-    # 0.14 ms of the host's time a call on an H200 host).
+    # host time every call pays).
     return reset.reshape(b, nc, chunk).cumsum(2, dtype=torch.int32).view(b, nc * chunk)
 
 
 # The scan as two custom operators, forward and backward, with the autograd formula registered
 # on the forward. torch.compile keeps them opaque: inductor calls them as they are, so the kernels
 # run under the launch table's configurations (inductor recompiles a user Triton kernel it traces
-# with its warps and stages only, dropping the register cap: the backward's two big kernels ran
-# 0.54 ms slower per layer that way) and no functionalisation copy is made around them.
+# with its warps and stages only, dropping the register cap the plans give the backward's two
+# big kernels, which then run slower) and no functionalisation copy is made around them.
 
 
-# Recording (kernels/mamba3/triton_precompile.py): while a thread records for a device, meta
+# Recording (kernels/mamba3/tools/precompile.py): while a thread records for a device, meta
 # tensors that reach the operators' fake implementations run the real bodies instead, under that
 # device's launch plan, so every launch a call would make is handed to the thread's recorder
 # (launching.set_recorder) with the arguments it would have. Other threads, and fake tensors

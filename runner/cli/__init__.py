@@ -3,7 +3,7 @@
 Each command is a thin function over a module: launch → runner.supervisor; status and list →
 runner.cli.report (runner.runstate's reading of the run dir, plus the mirror's lag and the GPU
 rows); logs and `health --liveness` → runner.runstate; stop → runner.stopping; health →
-runner.health; plot → runner.plot; tune-scan → kernels.mamba3.tuning.
+runner.health; plot → runner.plot; tune-scan → kernels.mamba3.tools.tuning.
 
 Exit codes:
   launch   the supervisor's: 0 finished or stopped by the user · 75 preempted (state saved,

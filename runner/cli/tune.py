@@ -1,11 +1,11 @@
 """`m3run tune-scan`: tune the scan kernels' launch plans on this machine's GPU, once.
 
 The checked-in launch table holds plans for the GPUs the kernels were tuned on; on any other
-(an A100 where the table has sm90 only) a launch's smoke test tunes them first
+(an architecture the table lacks) a launch's smoke test tunes them first
 (supervisor.tune_scan), or the scan runs safe defaults and says so. This command does the same
 tune on its own, ahead of a launch or again after a driver change: it times the candidates at
 the config's shapes on this GPU, outside any training process, and stores the best plan in
-this machine's plans file (kernels/mamba3/local_plans.py: on the image's runs volume, or the
+this machine's plans file (kernels/mamba3/plans/local.py: on the image's runs volume, or the
 systemd unit's cache directory), which every later scan reads.
 """
 
@@ -79,9 +79,9 @@ def tune_scan(
 
 def _tune(cfg, device, chunks: list[int] | None, plans: Path | None) -> None:
     import torch
-    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import plans as lp
     from m3run.kernels.mamba3 import triton_common as tc
-    from m3run.kernels.mamba3 import tuning
+    from m3run.kernels.mamba3.tools import tuning
     from m3run.runner.worker.build import scan_shape
     from m3run.runner.worker.smoke import first_line
 

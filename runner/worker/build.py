@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from m3run.kernels.mamba3 import BackendUnavailableError, local_plans, resolve_backend
+from m3run.kernels.mamba3 import BackendUnavailableError, resolve_backend
 from m3run.model import Mamba3LM
 from m3run.model.lm import compile_options, param_groups
 from m3run.runner.config import ConfigError, RunConfig, TrainConfig, config_hash, load_frozen_config
@@ -20,7 +20,7 @@ from m3run.runner.protocol import CONFIG_FILE
 from .dist import Dist
 
 if TYPE_CHECKING:
-    from m3run.kernels.mamba3.tuning import Shape
+    from m3run.kernels.mamba3.tools.tuning import Shape
 
 
 def freeze_config(cfg: RunConfig, run_dir: Path, force: bool) -> None:
@@ -108,10 +108,6 @@ def build_model(cfg: RunConfig, device: torch.device) -> Mamba3LM:
     seconds on the CPU (and again on every restart, before a checkpoint overwrites it) against a
     fraction of a second on a GPU. The init values depend on the device's generator, so a CPU
     and a GPU run of one seed start from different weights."""
-    # The scan's launch plans tuned on this machine, read afresh: a worker started beside the
-    # smoke test (the warm spare) read them when it imported, before the smoke test may have
-    # tuned them (supervisor.tune_scan).
-    local_plans.reload()
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
         model = Mamba3LM(cfg.model)
@@ -123,7 +119,7 @@ def scan_shape(cfg: RunConfig, device: torch.device) -> Shape:
     """The scan call a training step of ``cfg`` makes on ``device``, as the launch-plan tuner
     takes it: the micro-batch's windows, the model's heads and state, the autocast dtype, and
     resets where documents are packed."""
-    from m3run.kernels.mamba3.tuning import Shape  # Triton's kernels: imported where they run
+    from m3run.kernels.mamba3.tools.tuning import Shape  # Triton's kernels: imported where they run
 
     m = cfg.model
     dtype = precision_dtype(cfg, device) or torch.float32

@@ -210,11 +210,11 @@ class _Smoke:
 
     def _tune_scan(self) -> str:
         """supervisor.tune_scan: where this GPU has no tuned launch plan for the run's scan
-        (an A100 against the checked-in sm90 table), tune one and store it where every worker
-        reads it (the tuner; once per machine: the next launch finds it). At one chunk, the one
-        the defaults run (the model's, at most DEFAULT_CHUNK, 32): the launch waits for the tune,
-        one chunk takes well under half the time of three, and the other two chunks lost clearly
-        where they were measured (docs/benchmarks.md); `m3run tune-scan` tries all three."""
+        (an architecture the checked-in table lacks), tune one and store it where every worker
+        reads it (kernels/mamba3/tools/tuning.py; once per machine: the next launch finds it).
+        At one chunk, the one the defaults run (the model's, at most DEFAULT_CHUNK): a fraction
+        of the time a tune over every chunk takes, and the other chunks have lost to it
+        (docs/benchmarks.md); `m3run tune-scan` tries them all."""
         c, m = self.cfg, self.cfg.model
         if not c.supervisor.tune_scan or self.device.type != "cuda":
             return ""
@@ -223,12 +223,12 @@ class _Smoke:
                 return ""
         except BackendUnavailableError:
             return ""  # check 4 says why
-        from m3run.kernels.mamba3 import launching as lp
+        from m3run.kernels.mamba3 import plans as lp
         from m3run.kernels.mamba3 import triton_common as tc
-        from m3run.kernels.mamba3 import tuning
+        from m3run.kernels.mamba3.tools import tuning
 
         shape = scan_shape(c, self.device)
-        if lp.has_tuned_plan(self.device, shape.p, shape.n, m.chunk_size, shape.dtype):
+        if lp.launch_plans().has_tuned(self.device, shape.p, shape.n, m.chunk_size, shape.dtype):
             return ""
         untuned = lp.untuned_plan(m.chunk_size)
         self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
@@ -292,10 +292,11 @@ class _Smoke:
         here, at launch, with the command that tunes them)."""
         if self.backend != "triton":
             return ""
-        from m3run.kernels.mamba3.launching import plan_source
+        from m3run.kernels.mamba3.plans import launch_plans
 
         shape = scan_shape(self.cfg, self.device)  # the shape check 3's tune took
-        source = plan_source(self.device, shape.p, shape.n, self.cfg.model.chunk_size, shape.dtype)
+        source = launch_plans().source(self.device, shape.p, shape.n, self.cfg.model.chunk_size,
+                                       shape.dtype)  # fmt: skip
         return f"; launch plans: {source}"
 
     # 5

@@ -83,8 +83,8 @@ def _patch_lang_once_a_launch() -> None:
 _numpy_scalar_index()
 _patch_lang_once_a_launch()
 
-from m3run.kernels.mamba3 import launching as lp  # noqa: E402
 from m3run.kernels.mamba3 import mamba3_siso, triton_siso  # noqa: E402
+from m3run.kernels.mamba3 import plans as lp  # noqa: E402
 from m3run.kernels.mamba3.triton_siso import mamba3_siso_triton  # noqa: E402
 
 # ``kernel_chunk`` / ``fwd_bv`` / ``dstate_bv`` / ``chunk_hpp`` / ``chunk_cpp`` / ``chunk_bv`` /

@@ -1,9 +1,10 @@
 """Run by test_triton_cpu.py in the Triton interpreter (TRITON_INTERPRET=1, set before Triton
-loads): the launch-plan tuner (kernels/mamba3/tuning.py) on a small shape with two candidates a
-kernel, timed by the wall clock. A chunk the kernels do not take is refused. A plans file that
-cannot be written is an error that names it and the fix, holding the plan; what it keeps must
-be one of the candidates, stored in a plans file and read back, and a scan under the tuned plan
-must give what it gives under the defaults (the plan changes launches, not the function).
+loads): the launch-plan tuner (kernels/mamba3/tools/tuning.py) on a small shape with two
+candidates a kernel, timed by the wall clock. A chunk the kernels do not take is refused. A
+plans file that cannot be written is an error that names it and the fix, holding the plan; what
+it keeps must be one of the candidates, stored in a plans file and read back, and a scan under
+the tuned plan must give what it gives under the defaults (the plan changes launches, not the
+function).
 Prints "ok" at the end."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import interpret_scan  # noqa: F401  (the interpreter's patches, as for the scan's runs)
 import torch
-from m3run.kernels.mamba3 import launching as lp
-from m3run.kernels.mamba3 import local_plans, tuning
+from m3run.kernels.mamba3 import plans as lp
+from m3run.kernels.mamba3.tools import tuning
 
 C = lp.LaunchConfig
 CANDIDATES = {  # the second of each changes the launch's grid or flags: recorded afresh
@@ -36,7 +37,7 @@ def wall_ms(fn) -> float:
 
 
 def outputs(x: dict, plan: lp.Plan) -> list[torch.Tensor]:
-    with lp.forcing_plan(plan):
+    with lp.launch_plans().forcing(plan):
         y = tuning._scan(x, plan.chunk)
         y.backward(torch.ones_like(y))
     out = [y.detach()] + [v.grad.clone() for v in x.values() if v.grad is not None]
@@ -75,10 +76,11 @@ def main() -> None:
     assert sum("best" in line for line in lines) == len(lp.KERNELS), lines
 
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ[local_plans.PLANS_ENV] = str(Path(tmp) / "plans.json")
-        path = local_plans.store("sm_test", shape.table_keys(), entry, {"gpu": "interpreter"})
-        assert local_plans.lookup("sm_test", shape.table_keys()[1]) == entry
-        assert local_plans.lookup("sm_other", shape.table_keys()[1]) is None
+        os.environ[lp.PLANS_ENV] = str(Path(tmp) / "plans.json")
+        local = lp.launch_plans().local
+        path = local.store("sm_test", shape.table_keys(), entry, {"gpu": "interpreter"})
+        assert local.lookup("sm_test", shape.table_keys()[1]) == entry
+        assert local.lookup("sm_other", shape.table_keys()[1]) is None
         assert list(Path(tmp).iterdir()) == [path]  # no temporary left beside it
 
     x = tuning.scan_inputs(shape, torch.device("cpu"))

@@ -1,5 +1,5 @@
 """The Triton scan kernels without a GPU: run in the Triton interpreter on small shapes against the
-PyTorch chunked reference, and compiled offline for sm_80 (A100) and sm_90 at the benchmark tile
+PyTorch chunked reference, and compiled offline for sm_80 and sm_90 at the benchmark tile
 shape with every configuration of the checked-in launch table and the defaults, which must fit
 the architecture's shared memory and registers. The SwiGLU operator's and the
 cross-entropy kernels run in the interpreter too. All need Triton installed (not a GPU)."""
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from m3run.kernels.mamba3 import triton_report
+from m3run.kernels.mamba3.tools import report as resource_report
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,8 +73,8 @@ def test_every_launch_configuration_fits_the_architecture(interpreted, arch):
     sm_90's shared memory and registers; the spills are printed (pytest -s) for the record. (It
     takes ``interpreted`` so that the interpreter runs go on beside the compiles.)"""
     errors = []
-    for name, shape, plan in triton_report.table_plans():
-        for rep in triton_report.report(arch, plan, **shape):
+    for name, shape, plan in resource_report.table_plans():
+        for rep in resource_report.report(arch, plan, **shape):
             print(f"{name}: {rep.line()}")
             err = rep.fit_error()
             if err:
@@ -89,11 +89,11 @@ def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkey
     monkeypatch.syspath_prepend(str(HERE.parents[1] / "bench" / "kernels"))
     import tune_scan
 
-    table_file = HERE.parents[1] / "kernels" / "mamba3" / "launch_table.py"
+    table_file = HERE.parents[1] / "kernels" / "mamba3" / "plans" / "table.py"
     src = table_file.read_text()
     doc, table = tune_scan.read_table(src)
     assert table and tune_scan.render_table(doc, table) == src
-    copy = tmp_path / "launch_table.py"
+    copy = tmp_path / "table.py"
     copy.write_text(src)
     entry = {"chunk": 32, "fwd": {"bv": 0, "maxnreg": None, "num_stages": 2, "num_warps": 4}}
     tune_scan.write_table(copy, "sm80", "c32-p64-n64-bf16", entry)
@@ -103,8 +103,8 @@ def test_the_tuning_script_writes_the_table_as_it_is_checked_in(tmp_path, monkey
 
 
 def test_the_tuner_keeps_a_candidate_and_the_plan_leaves_the_function_as_it_is(interpreted):
-    """kernels/mamba3/tuning.py in the interpreter, timed by the wall clock: it keeps one of the
-    candidates of each kernel, the plans file stores and reads it back, and the scan under it
+    """kernels/mamba3/tools/tuning.py in the interpreter, timed by the wall clock: it keeps one of
+    the candidates of each kernel, the plans file stores and reads it back, and the scan under it
     equals the scan under the defaults (interpret_tune.py asserts each)."""
     _ran_ok(interpreted, "tune")
 
@@ -114,16 +114,17 @@ def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monk
     come from torch.compile's trace of the scan's caller (a log call breaks a block's one graph
     into several), but from the first call that runs."""
     import torch
-    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import plans as lp
+    from m3run.kernels.mamba3.plans import lookup
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(lp, "arch_key", lambda device: "sm_none")  # an architecture not tuned
-    monkeypatch.setattr(lp, "_fallback_logged", set())
+    monkeypatch.setattr(lookup, "PLANS", lp.LaunchPlans())  # nothing logged yet
+    monkeypatch.setattr(lp.launch_plans(), "arch_key", lambda device: "sm_none")  # not tuned
 
     def scaled(x):
         return x * lp.plan_for(torch.device("cuda"), 64, 64, 64, torch.bfloat16).chunk
 
-    caplog.set_level("INFO", logger=lp.__name__)
+    caplog.set_level("INFO", logger=lookup.__name__)
     torch._dynamo.reset()
     try:  # fullgraph: a graph break raises
         out = torch.compile(scaled, backend="eager", fullgraph=True)(torch.ones(2))

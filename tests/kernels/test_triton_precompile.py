@@ -1,4 +1,4 @@
-"""Compiling the scan's kernels ahead of their first launch (kernels/mamba3/triton_precompile.py):
+"""Compiling the scan's kernels ahead of their first launch (kernels/mamba3/tools/precompile.py):
 the launches recorded on meta tensors are, kernel for kernel and argument for argument as Triton
 specialises them, those the model's mixer makes in training and evaluation; recording takes only
 its own thread's launches; the pool compiles each distinct launch once and reports; and, on a
@@ -12,7 +12,7 @@ import pytest
 import torch
 from m3run.kernels.mamba3 import api, mamba3_siso
 from m3run.kernels.mamba3 import launching as lp
-from m3run.kernels.mamba3.triton_precompile import Launch, precompile, scan_launches
+from m3run.kernels.mamba3.tools.precompile import Launch, precompile, scan_launches
 from m3run.model.config import ModelConfig
 from m3run.model.mixer import Mamba3Mixer
 
@@ -158,7 +158,7 @@ def test_a_launch_while_its_kernels_compile_ahead_waits_for_the_compile():
     threading.Timer(0.1, kernel.release.set).start()
     lp.launch("fwd", kernel, (1,), (x,), {}, cfg)
     assert kernel.launched == [1]  # after its compile had ended
-    assert job.done() and not lp._ahead
+    assert job.done() and not lp._hooks.waiting
     lp.launch("fwd", kernel, (1,), (x,), {}, cfg)  # nothing left to wait for
     assert kernel.launched == [1, 1]
 
@@ -170,7 +170,7 @@ def test_a_compile_ahead_that_outlasts_the_wait_is_waited_for_no_more(monkeypatc
     try:
         with caplog.at_level("WARNING", logger=lp.__name__):
             lp.launch("fwd", kernel, (1,), (x,), {}, cfg)
-        assert kernel.launched == [0] and not job.done() and not lp._ahead
+        assert kernel.launched == [0] and not job.done() and not lp._hooks.waiting
         assert "compile ahead still runs after 0 s" in caplog.text
         lp.launch("fwd", kernel, (1,), (x,), {}, cfg)  # given up on: no second wait, no log
         assert kernel.launched == [0, 0] and caplog.text.count("still runs") == 1

@@ -302,7 +302,7 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     over the blocks of p before it is rounded), and so the bias gradients (summed from those
     bf16 partials at one head a program, in fp32 at several), the rest within 1e-3 (the same
     arithmetic, compiled in loops); and two calls are bitwise equal."""
-    from m3run.kernels.mamba3 import launching as lp
+    from m3run.kernels.mamba3 import plans as lp
     from m3run.kernels.mamba3 import triton_siso
 
     x = make_inputs(t=1000, g=1)

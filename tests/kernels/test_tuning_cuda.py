@@ -1,4 +1,4 @@
-"""The launch-plan tuner's pieces on a GPU (kernels/mamba3/tuning.py): a recorded forward and
+"""The launch-plan tuner's pieces on a GPU (kernels/mamba3/tools/tuning.py): a recorded forward and
 backward holds every kernel's launch, the backward's included, which the autograd engine runs on
 a thread of its own; and a plan forced on the process reaches that thread, so the scan under
 plans of different chunks is the same function. CUDA only."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from m3run.kernels.mamba3 import launching as lp
-from m3run.kernels.mamba3 import tuning
+from m3run.kernels.mamba3 import plans as lp
+from m3run.kernels.mamba3.tools import tuning
 
 pytestmark = [
     pytest.mark.cuda,
@@ -19,7 +19,7 @@ SHAPE = tuning.Shape(2, 256, 4, 64, 64, 16, 1, torch.bfloat16, reset=True)
 
 
 def _grads(x: dict, plan: lp.Plan) -> list[torch.Tensor]:
-    with lp.forcing_plan(plan):
+    with lp.launch_plans().forcing(plan):
         y = tuning._scan(x, plan.chunk)
         y.float().square().sum().backward()
     out = [y.detach().float()] + [v.grad.float().clone() for v in x.values() if v.grad is not None]

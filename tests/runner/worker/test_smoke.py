@@ -235,29 +235,30 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     them, and the kernels run under them; the next smoke test finds them and does not tune. A
     plans file that cannot be written does not stop the launch: check 3 says so, with the fix,
     and the run keeps the defaults."""
-    from m3run.kernels.mamba3 import launching as lp
-    from m3run.kernels.mamba3 import local_plans, tuning
+    from m3run.kernels.mamba3 import plans as lp
+    from m3run.kernels.mamba3.plans import lookup
+    from m3run.kernels.mamba3.tools import tuning
 
     C = lp.LaunchConfig
     monkeypatch.setattr(tuning, "CANDIDATES", {
         "fwd": [C(4, 2), C(4, 3)], "bwd_dstate": [C(4, 1), C(4, 2)],
         "bwd_chunk": [C(4, 1), C(2, 1)], "bwd_angle": [C(4, 2), C(2, 1)],
     })  # fmt: skip
-    monkeypatch.setattr(lp, "arch_key", lambda device: "sm_untuned")
+    monkeypatch.setattr(lookup, "PLANS", lp.LaunchPlans())  # this test's: restored after
+    monkeypatch.setattr(lp.launch_plans(), "arch_key", lambda device: "sm_untuned")
     plans = tmp_path / "scan_plans.json"
-    monkeypatch.setenv(local_plans.PLANS_ENV, str(plans))
-    monkeypatch.setattr(local_plans, "_entries", None)  # what this process read: restored after
+    monkeypatch.setenv(lp.PLANS_ENV, str(plans))
     on_cuda = {"train.device": "cuda", "train.precision": "bf16", "train.compile": "false",
                "supervisor.tune_scan": "true"}  # fmt: skip
     cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **on_cuda))
     blocker = tmp_path / "a-file"  # a plans file under a file cannot be written
     blocker.write_text("")
-    monkeypatch.setenv(local_plans.PLANS_ENV, str(blocker / "scan_plans.json"))
+    monkeypatch.setenv(lp.PLANS_ENV, str(blocker / "scan_plans.json"))
     unstored = run_smoke(cfg, echo=None)
     assert unstored.ok, unstored.failed_check_message
     assert "but cannot write the tuned launch plans" in unstored.checks[2].message
     assert "no tuned launch plan" in unstored.checks[3].message
-    monkeypatch.setenv(local_plans.PLANS_ENV, str(plans))
+    monkeypatch.setenv(lp.PLANS_ENV, str(plans))
     lines: list[str] = []
     first = run_smoke(cfg, echo=lines.append)
     assert first.ok, first.failed_check_message

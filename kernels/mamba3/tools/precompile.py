@@ -1,18 +1,18 @@
 """Compile the scan's kernels before their first launch, all at once, on a pool of threads.
 
-A Triton kernel compiles at its first launch, one after another: on an H200 host the smoke
-test's first forward/backward of the 434m model spent 15.5 s compiling kernels, and a restart
-with empty compile caches 25.8 s in its first step (docs/benchmarks.md, 2026-12-03 (eighth)).
+A Triton kernel compiles at its first launch, one after another, so the first training step
+(the smoke test's, a restart's with empty compile caches) waits for every compile in turn
+(docs/benchmarks.md has how long).
 :func:`scan_launches` records every launch of the scan that a training step (the forward with
 saves, the backward) and an evaluation (the forward without) make at the model's shapes: the
 scan runs on meta tensors as the model calls it, its operators run their launchers under the
 GPU's launch plan (:func:`triton_siso.recording_for`), and the launches go to a recorder instead
 of the GPU, so nothing is computed. :func:`precompile` compiles each with Triton's ``warmup`` on
-a pool of threads: ptxas and most of Triton's passes run without the GIL (the six kernels
-compiled for sm_90 in 3.8 s from six threads against 6.4 s one after another on a 2-core CPU).
+a pool of threads: ptxas and most of Triton's passes run without the GIL, so the compiles
+overlap even on a few cores (docs/benchmarks.md).
 A kernel compiled here is in the process's kernel cache and on disk (TRITON_CACHE_DIR), so its
 first real launch finds it; one the warmup missed compiles at its launch, as before. A scan
-launched while the compile runs waits for it (launching.launch) rather than compiling its
+launched while the compile runs waits for it (``launching.launch``) rather than compiling its
 kernels a second time, one after another, so a caller need not wait for it before its work.
 """
 
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import launching as lp
-from .triton_siso import mamba3_siso_triton, recording_for
+from .. import launching
+from ..launching import LaunchConfig
+from ..triton_siso import mamba3_siso_triton, recording_for
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Launch:
     grid: tuple
     args: tuple
     constexprs: dict
-    cfg: lp.LaunchConfig
+    cfg: LaunchConfig
 
     def key(self) -> tuple:
         """What Triton compiles one kernel for: the kernel, its constexprs and launch options,
@@ -49,7 +50,7 @@ class Launch:
         return (self.kernel, tuple(sorted(self.constexprs.items())), self.cfg,
                 tuple(_specialised(a) for a in self.args))  # fmt: skip
 
-    def run(self, cfg: lp.LaunchConfig | None = None) -> None:
+    def run(self, cfg: LaunchConfig | None = None) -> None:
         """Launch it again on its arguments, under ``cfg`` where given (the tuner's candidate)."""
         cfg = cfg or self.cfg
         self.kernel[self.grid](*self.args, **self.constexprs, **cfg.launch_kwargs())
@@ -90,7 +91,7 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
         return mamba3_siso_triton(q, k, None, adt, dt_, trap, q_bias, k_bias, angles, d, None,
                                   chunk_size=chunk_size, reset=rst, zv=zv)  # fmt: skip
 
-    lp.set_recorder(lambda *launch: launches.append(Launch(*launch)))
+    launching.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
         with recording_for(device):
             y = scan()
@@ -98,7 +99,7 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
             with torch.no_grad():
                 scan()
     finally:
-        lp.set_recorder(None)
+        launching.set_recorder(None)
     return launches
 
 
@@ -150,7 +151,7 @@ def precompile(launches: list[Launch], device: torch.device,
                     done.set_result(f"{len(distinct)} scan kernels compiled in "
                                     f"{time.perf_counter() - t0:.1f} s on {n} threads")  # fmt: skip
 
-    lp.compiling_ahead(done)  # a scan launched meanwhile waits for it
+    launching.compiling_ahead(done)  # a scan launched meanwhile waits for it
     for i in range(n):
         threading.Thread(target=work, name=f"m3run-precompile-{i}", daemon=True).start()
     return done

@@ -6,9 +6,10 @@ head, resets where the run packs documents), with every launch recorded; then ea
 timed alone, on the recorded arguments, under each candidate configuration (num_warps,
 num_stages, ptxas maxnreg, the p block of the forward and the chunk kernel, the chunk kernel's
 heads and chunks a program, the angle kernel's head blocks) at each candidate chunk, and the
-fastest is kept. Every candidate compiles first, on a pool of threads (compiling them one by one
-at their first launch took most of a tune's time). The entry :func:`tune_shape` returns is what
-the checked-in table (``launch_table.py``) and this machine's plans (``local_plans.py``) hold.
+fastest is kept. Every candidate compiles first, on a pool of threads (compiled one by one at
+their first launch, the compiles would take most of a tune's time). The entry :func:`tune_shape`
+returns is what the checked-in table (``plans/table.py``) and this machine's plans
+(``plans/local.py``) hold.
 """
 
 from __future__ import annotations
@@ -22,24 +23,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import launching as lp
-from . import local_plans
-from . import triton_common as tc
-from .triton_precompile import Launch, precompile, scan_launches
-from .triton_siso import mamba3_siso_triton
+from .. import launching
+from .. import plans as lp
+from .. import triton_common as tc
+from ..triton_siso import mamba3_siso_triton
+from .precompile import Launch, precompile, scan_launches
 
 C = lp.LaunchConfig
 CANDIDATES: dict[str, list[lp.LaunchConfig]] = {
     # bv 32: twice the sequential programs (b·h·2, one per p half), each with half the state
     # tile; slower than whole p on an earlier forward (docs/benchmarks.md), retried on this one.
     # wg 1: the wide products transposed (64 rows), warpgroup MMAs on sm_90. maxnreg 128: four
-    # programs an SM instead of two, so b·h ≤ 528 sequential programs run in one wave on an
-    # H200 (388 B of spills a thread at 3 stages, 368 B at 1; sm_90, ptxas).
+    # programs an SM instead of two, so twice the b·h sequential programs run in one wave
+    # (388 B of spills a thread at 3 stages, 368 B at 1; sm_90, ptxas).
     "fwd": [C(4, 2), C(4, 3), C(8, 2), C(4, 3, 168), C(4, 2, bv=32), C(4, 3, bv=32),
             C(2, 3, bv=32), C(4, 2, wg=1), C(4, 3, wg=1), C(4, 1, 128, wg=1),
             C(4, 2, 128, wg=1), C(4, 3, 128, wg=1)],
-    # maxnreg 128 at bv 0: four programs an SM, so b·h ≤ 528 sequential programs run in one
-    # wave on an H200 (no spills on sm_90 since the kernel only carries dG).
+    # maxnreg 128 at bv 0: four programs an SM, so twice the b·h sequential programs run in
+    # one wave (no spills on sm_90 since the kernel only carries dG).
     "bwd_dstate": [C(4, 2), C(4, 1), C(8, 2), C(4, 2, bv=32), C(4, 3, bv=32), C(2, 2, bv=16),
                    C(4, 2, bv=16), C(4, 1, 128), C(4, 2, 128)],
     # maxnreg 168 / 128: three / four programs an SM instead of two (ncu: latency-bound at 12%
@@ -49,7 +50,8 @@ CANDIDATES: dict[str, list[lp.LaunchConfig]] = {
     # chunk 32, sm_90: 12 B of spills at 8 warps and hpp 2, 728 B at (4, 1, 168, hpp 2); 8 B at
     # (8, 2, cpp 2), 696 B at (4, 2, 168, cpp 2). wg 1: 100 B at (4, 1, 168), 172 B at
     # (8, 1, 128). 2 warps (255 registers, 404 B of spills, four programs an SM): half the
-    # warps at each of the kernel's 124 barriers; faster than any 4-warp plan on an H200.
+    # warps wait at each of the kernel's 124 barriers, which has beaten every 4-warp plan
+    # (docs/benchmarks.md).
     "bwd_chunk": [C(2, 1), C(2, 1, 232), C(2, 1, bv=32), C(4, 1), C(8, 1), C(4, 1, 168),
                   C(4, 1, 128), C(8, 1, 128),
                   C(4, 1, 168, hpp=2), C(8, 1, hpp=2), C(8, 1, hpp=4), C(8, 2, hpp=2),
@@ -136,7 +138,7 @@ def _scan(x: dict, chunk: int) -> torch.Tensor:
 
 def forward_backward(x: dict, plan: lp.Plan) -> None:
     """One forward and backward of the scan under ``plan``."""
-    with lp.forcing_plan(plan):
+    with lp.launch_plans().forcing(plan):
         y = _scan(x, plan.chunk)
         y.backward(torch.ones_like(y))
     for val in x.values():
@@ -153,7 +155,7 @@ def record(x: dict, plan: lp.Plan) -> dict[str, Launch]:
         launch.run()
         launches[launch.name] = launch
 
-    with lp.recording_everywhere(rec):
+    with launching.recording_everywhere(rec):
         forward_backward(x, plan)
     if x["zv"].is_cuda:
         torch.cuda.synchronize()
@@ -171,7 +173,7 @@ def compile_candidates(shape: Shape, device: torch.device, plans, log=print) -> 
     on meta tensors); a candidate that does not compile is reported when it is timed."""
     launches: list[Launch] = []
     for name, plan in plans:
-        with lp.forcing_plan(plan):
+        with lp.launch_plans().forcing(plan):
             recorded = scan_launches(shape.b, shape.t, shape.h, shape.p, shape.n, shape.s,
                                      g=shape.g, chunk_size=plan.chunk, dtype=shape.dtype,
                                      reset=shape.reset, device=device)  # fmt: skip
@@ -296,8 +298,8 @@ def tune_shape(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
 def kernels_ms(x: dict, plan: lp.Plan, timer: Timer = cuda_timer) -> float:
     """The GPU time of the scan's kernels under ``plan``: each kernel of one recorded forward
     and backward timed alone on its arguments, summed. A timed forward+backward would take the
-    host's time where it is the longer (1.7-2.5 ms on H200 hosts against the kernels' 1.88 ms,
-    docs/benchmarks.md, 2026-12-04 (fifth)) and say less of the plans than they differ by."""
+    host's time where it is the longer (the host's launch overhead can exceed the kernels' time,
+    docs/benchmarks.md) and say less of the plans than they differ by."""
     launches = record(x, plan)
     return sum(timer(_timed_call(name, launches, launch.cfg, follow=False)[0])
                for name, launch in launches.items())  # fmt: skip
@@ -316,7 +318,7 @@ def tune_and_store(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
                    **search) -> tuple[Tuned, Path]:  # fmt: skip
     """Tune ``shape`` on ``device`` (:func:`tune_shape`, which takes ``search``'s timer and
     candidates) and store the plan in this machine's plans (``path``: the plans file, by
-    default local_plans.plans_path()) for every caller chunk of the shape, with the GPU, the
+    default plans.plans_path()) for every caller chunk of the shape, with the GPU, the
     shape, the times and when; this process reads it at once. Returns the result and the file;
     raises :class:`PlansNotStored` when the file cannot be written."""
     import datetime
@@ -329,10 +331,10 @@ def tune_and_store(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
         "defaults_kernels_ms": round(tuned.baseline_ms, 4),
         "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    target = local_plans.plans_path() if path is None else path
+    target = lp.plans_path() if path is None else path
     arch = lp.arch_key(device) if device.type == "cuda" else device.type  # the interpreter's: cpu
     try:
-        stored = local_plans.store(arch, shape.table_keys(), tuned.entry, about, target)
+        stored = lp.launch_plans().local.store(arch, shape.table_keys(), tuned.entry, about, target)
     except OSError as e:
         raise PlansNotStored(target, e, tuned) from e
     return tuned, stored
@@ -344,7 +346,7 @@ class PlansNotStored(Exception):
     def __init__(self, path: Path, error: OSError, tuned: Tuned):
         super().__init__(
             f"cannot write the tuned launch plans to {path} ({error}). Fix: make {path.parent} "
-            f"writable, or set {local_plans.PLANS_ENV} to a file on writable storage that "
+            f"writable, or set {lp.PLANS_ENV} to a file on writable storage that "
             "survives restarts"
         )
         self.path, self.tuned = path, tuned

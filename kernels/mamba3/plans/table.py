@@ -2,11 +2,11 @@
 
 Written by ``python bench/tune_scan.py`` on each GPU (one process: every kernel timed alone
 under each candidate configuration, at each candidate chunk, the fastest kept), checked in, and
-read at launch by :func:`m3run.kernels.mamba3.launching.plan_for`: a worker never autotunes. The
+read at launch by :func:`m3run.kernels.mamba3.plans.plan_for`: a worker never autotunes. The
 key is the caller's chunk, the tiles and the dot dtype; ``chunk`` is the chunk the kernels run
 at (the result does not depend on it beyond rounding). A plan `m3run tune-scan` stored on the
-machine (``local_plans.py``) comes first; a shape or architecture missing from both runs the
-caller's chunk with ``launching.DEFAULT_CONFIGS`` (a warning, once, names the command).
+machine (``plans/local.py``) comes first; a shape or architecture missing from both runs the
+caller's chunk with ``plans.DEFAULT_CONFIGS`` (a warning, once, names the command).
 tests/kernels/test_triton_cpu.py compiles every entry for sm_80 and sm_90 without a GPU.
 """
 

@@ -4,7 +4,8 @@ The forward and backward launchers run on ``meta`` tensors with a recorder in pl
 launches (:func:`m3run.kernels.mamba3.launching.set_recorder`), so every kernel is compiled with
 exactly the arguments, constexprs and launch configuration a real call would use. ``ptxas -v``
 (the one bundled with Triton) then gives registers, spills and stack per thread; Triton gives the
-shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py.
+shared memory. Used by tests/kernels (sm_80 fit) and bench/tune_scan.py; ``python -m
+m3run.kernels.mamba3.tools.report`` prints it for the defaults and every table entry.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from . import launching as lp
-from .triton_precompile import Launch
+from .. import launching
+from .. import plans as lp
+from .precompile import Launch
 
 # Per-architecture limits a launch must fit (CUDA programming guide, compute capabilities).
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # opt-in bytes per block
@@ -137,12 +139,12 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
                     cfgs: dict[str, lp.LaunchConfig] | None = None,
                     per_head_qk: bool = False):  # fmt: skip
     """Run the forward and backward launchers on meta tensors; returns every launch they make
-    (:class:`~kernels.mamba3.triton_precompile.Launch`), with d, z, an initial state and resets
+    (:class:`~m3run.kernels.mamba3.tools.precompile.Launch`), with d, z, an initial state and resets
     present (the largest variant of each kernel); q, k in g groups, or with ``per_head_qk`` one
     a head."""
     g = h if per_head_qk else g
-    from .triton_bwd import siso_bwd
-    from .triton_fwd import siso_fwd
+    from ..triton_bwd import siso_bwd
+    from ..triton_fwd import siso_fwd
 
     cfgs = dict(cfgs or lp.DEFAULT_CONFIGS)
     m = dict(device="meta")
@@ -156,7 +158,7 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     nc = -(-t // chunk_size)
     seg = torch.empty(b, nc * chunk_size, dtype=torch.int32, **m)
     launches: list[Launch] = []
-    lp.set_recorder(lambda *launch: launches.append(Launch(*launch)))
+    launching.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
         _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
                                          phi0, g0, seg, chunk_size, True,
@@ -165,7 +167,7 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
         siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
                  dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
     finally:
-        lp.set_recorder(None)
+        launching.set_recorder(None)
     return launches
 
 
@@ -189,7 +191,7 @@ def report(arch: int, plan: lp.Plan, **shape) -> list[KernelReport]:
 def table_plans() -> list[tuple[str, dict, lp.Plan]]:
     """The defaults (at DEFAULT_CHUNK) and each distinct plan
     of the launch table, as (name, shape, plan) with the shape arguments of :func:`report`."""
-    from .launch_table import TABLE
+    from ..plans.table import TABLE
 
     bench = dict(p=64, n=64, dtype=torch.bfloat16)
     defaults = dict(lp.DEFAULT_CONFIGS)
