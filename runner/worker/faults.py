@@ -10,12 +10,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from m3run.runner.protocol import FAULT_ENV
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 
@@ -47,8 +44,9 @@ class Faults:
         """Whether M3RUN_FAULT names any fault."""
         return bool(self.spec)
 
-    def wrap_step(self, trainer: Trainer) -> None:
-        """Put the step faults around ``trainer.train_step`` (after its setup): a crash, hang or
+    def wrap_step(self, trainer: Any) -> None:
+        """Put the step faults around ``trainer.train_step`` (a Trainer after its setup, which
+        imports this module: no import back, not even for the annotation): a crash, hang or
         hold before a step, and a poisoned step. A poisoned step hands the update a NaN loss and
         gradient norm, so the non-finite guard skips it and its gradients are dropped, as for
         a step whose loss diverged: what every micro-batch's loss made NaN before its backward
