@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from m3run.kernels.mamba3.triton_common import TRITON_IMPORT_ERROR, tl, triton
 from torch import Tensor
+
+from m3run.kernels.mamba3.triton_common import TRITON_IMPORT_ERROR, tl, triton
 
 # The fastest of the launch configurations (rows a tile × warps × programs) that
 # bench/kernels/bench_add_rms_norm.py sweeps at the 434m shape, (16, 2048, 1024); its time is on
@@ -35,9 +36,21 @@ SUM_BLOCK_P, SUM_BLOCK_D = 64, 128  # the partials' second stage: a tile of rows
 if triton is not None:
 
     @triton.jit
-    def add_rms_norm_bwd_kernel(s, gn, w, gs, ds, ds_low, dw_part, n_rows, eps,
-                                D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                                SPAN: tl.constexpr):  # fmt: skip
+    def add_rms_norm_bwd_kernel(
+        s,
+        gn,
+        w,
+        gs,
+        ds,
+        ds_low,
+        dw_part,
+        n_rows,
+        eps,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ROWS: tl.constexpr,
+        SPAN: tl.constexpr,
+    ):
         """Rows ``program_id·SPAN ..`` in tiles of ROWS: the gradient of s into
         ``ds`` (fp32) and ``ds_low`` (its dtype), this program's Σ g_n ⊙ n̂ into its row of
         ``dw_part``."""
@@ -66,8 +79,9 @@ if triton is not None:
         tl.store(dw_part + pid * D + o_d, tl.sum(acc, axis=0), mask=m_d)
 
     @triton.jit
-    def sum_partials_kernel(part, out, D, P: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_D: tl.constexpr):  # fmt: skip
+    def sum_partials_kernel(
+        part, out, D, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         """Columns ``program_id·BLOCK_D ..`` of ``out = Σ_p part[p]``, the rows taken in order."""
         o_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
         m_d = o_d < D
@@ -93,13 +107,26 @@ def add_rms_norm_bwd_op(
     programs = max(1, triton.cdiv(rows, span))
     part = s.new_empty(programs, D)
     block_d = triton.next_power_of_2(D)
-    add_rms_norm_bwd_kernel[(programs,)](s, g_n, w, g_s, ds, ds_low, part, rows, eps, D=D,
-                                         BLOCK_D=block_d, ROWS=ROWS, SPAN=span,
-                                         num_warps=NUM_WARPS)  # fmt: skip
+    add_rms_norm_bwd_kernel[(programs,)](
+        s,
+        g_n,
+        w,
+        g_s,
+        ds,
+        ds_low,
+        part,
+        rows,
+        eps,
+        D=D,
+        BLOCK_D=block_d,
+        ROWS=ROWS,
+        SPAN=span,
+        num_warps=NUM_WARPS,
+    )
     dw = torch.empty_like(w)
-    sum_partials_kernel[(triton.cdiv(D, SUM_BLOCK_D),)](part, dw, D, P=programs,
-                                                        BLOCK_P=SUM_BLOCK_P,
-                                                        BLOCK_D=SUM_BLOCK_D)  # fmt: skip
+    sum_partials_kernel[(triton.cdiv(D, SUM_BLOCK_D),)](
+        part, dw, D, P=programs, BLOCK_P=SUM_BLOCK_P, BLOCK_D=SUM_BLOCK_D
+    )
     return ds, ds_low, dw
 
 

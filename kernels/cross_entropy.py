@@ -15,9 +15,10 @@ Opaque to torch.compile like the other operators here (a custom op).
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from m3run.kernels import IGNORE_INDEX
 from m3run.kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
-from torch import Tensor
 
 BLOCK = 2048  # columns per step of a row: 8 per thread at 8 warps (timed against 1024-8192
 NUM_WARPS = 8  # columns, 4-16 warps and a grid of fewer programs taking rows in turn)
@@ -25,8 +26,9 @@ NUM_WARPS = 8  # columns, 4-16 warps and a grid of fewer programs taking rows in
 if triton is not None:
 
     @triton.jit
-    def ce_grad_kernel(logits, targets, inv_n, grad, loss, V, NC, IGNORE: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
+    def ce_grad_kernel(
+        logits, targets, inv_n, grad, loss, V, NC, IGNORE: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """Row program_id(0) of ``logits`` (rows × V, contiguous): its loss into ``loss`` and
         its gradient into ``grad`` (same layout); classes are the first NC columns."""
         i_r = tl.program_id(0).to(tl.int64)
@@ -68,8 +70,18 @@ def ce_grad_op(logits: Tensor, targets: Tensor, inv_n: Tensor, n_classes: int) -
     grad = torch.empty_like(logits)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        ce_grad_kernel[(rows,)](logits, targets, inv_n, grad, loss, v, n_classes,
-                                IGNORE=IGNORE_INDEX, BLOCK=BLOCK, num_warps=NUM_WARPS)  # fmt: skip
+        ce_grad_kernel[(rows,)](
+            logits,
+            targets,
+            inv_n,
+            grad,
+            loss,
+            v,
+            n_classes,
+            IGNORE=IGNORE_INDEX,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
     return grad, loss
 
 
@@ -98,5 +110,6 @@ def ce_grad(logits: Tensor, targets: Tensor, inv_n: Tensor, n_classes: int) -> t
         )
     if not 1 <= n_classes <= logits.shape[1]:
         raise ValueError(f"n_classes must be in 1..{logits.shape[1]}, got {n_classes}")
-    return ce_grad_op(logits.contiguous(), targets.contiguous(),
-                      inv_n.to(torch.float32).reshape(()), n_classes)  # fmt: skip
+    return ce_grad_op(
+        logits.contiguous(), targets.contiguous(), inv_n.to(torch.float32).reshape(()), n_classes
+    )

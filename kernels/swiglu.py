@@ -18,8 +18,9 @@ the plain module's under autocast; the weight gradient comes back in ``w``'s dty
 from __future__ import annotations
 
 import torch
-from m3run.kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 from torch import Tensor
+
+from m3run.kernels.mamba3.triton_common import DTYPES, TRITON_IMPORT_ERROR, tl, triton
 
 BLOCK = 1024  # columns of d_hidden per program: one row's slice, 8 bf16 per thread at 4 warps
 NUM_WARPS = 4
@@ -92,8 +93,7 @@ def swiglu_down_bwd_op(gu: Tensor, w: Tensor, wc: Tensor, dy: Tensor) -> tuple[T
     dy = dy.reshape(rows, d_model).to(gu.dtype)
     dh = torch.mm(dy, wc)  # (rows, d_hidden)
     dgu, h = torch.empty_like(gu), gu.new_empty(rows, hidden)
-    swiglu_bwd_kernel[_grid(rows, hidden)](gu, dh, dgu, h, hidden, BLOCK=BLOCK,
-                                           num_warps=NUM_WARPS)  # fmt: skip
+    swiglu_bwd_kernel[_grid(rows, hidden)](gu, dh, dgu, h, hidden, BLOCK=BLOCK, num_warps=NUM_WARPS)
     if h.is_cuda and w.dtype != h.dtype:  # cuBLAS writes its fp32 accumulator in w's dtype
         return dgu, torch.mm(dy.t(), h, out_dtype=w.dtype)
     return dgu, torch.mm(dy.t(), h).to(w.dtype)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from m3run.kernels.mamba3 import uses_triton_kernels
 from torch import Tensor, nn
+
+from m3run.kernels.mamba3 import uses_triton_kernels
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype:

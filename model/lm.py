@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from m3run.kernels.mamba3 import State, uses_triton_kernels
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from m3run.kernels.mamba3 import State, uses_triton_kernels
 
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, autocast_dtype
@@ -140,9 +141,19 @@ class Mamba3LM(nn.Module):
         from m3run.kernels.mamba3.tools.precompile import precompile, scan_launches
 
         c = self.config
-        launches = scan_launches(batch, seq_len, c.nheads, c.headdim, c.d_state, c.n_angles,
-                                 g=c.ngroups, chunk_size=c.chunk_size, dtype=dtype, reset=reset,
-                                 device=device)  # fmt: skip
+        launches = scan_launches(
+            batch,
+            seq_len,
+            c.nheads,
+            c.headdim,
+            c.d_state,
+            c.n_angles,
+            g=c.ngroups,
+            chunk_size=c.chunk_size,
+            dtype=dtype,
+            reset=reset,
+            device=device,
+        )
         return precompile(launches, device)
 
     def layer_params(self) -> list[list[nn.Parameter]]:
@@ -194,9 +205,13 @@ class Mamba3LM(nn.Module):
             reset = document_starts(idx, eos_id)
         h = self.hidden_states(idx, reset)
         if targets is not None:  # the padded embedding: aligned matmuls, padding rows no class
-            return self.loss_fn(h, self.embedding.weight, targets,
-                                n_classes=self.config.vocab_size,
-                                backend=self.config.scan_backend)  # fmt: skip
+            return self.loss_fn(
+                h,
+                self.embedding.weight,
+                targets,
+                n_classes=self.config.vocab_size,
+                backend=self.config.scan_backend,
+            )
         return F.linear(h, self.head_weight.to(h.dtype))
 
     # -- decoding ---------------------------------------------------------------------------

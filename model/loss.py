@@ -12,17 +12,25 @@ kernel (kernels/cross_entropy.py) instead of the compiled PyTorch form's fused k
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
 from m3run.kernels import IGNORE_INDEX
 from m3run.kernels.mamba3 import uses_triton_kernels
-from torch import Tensor
 
 from .layers import autocast_dtype
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
-                n_classes: int, use_kernel: bool):  # fmt: skip
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        chunk_tokens: int,
+        n_classes: int,
+        use_kernel: bool,
+    ):
         # hidden (n, d) in the compute dtype, weight (v, d) master (fp32), targets (n,) int64;
         # rows n_classes.. of weight are padding: their logits are -inf, so their gradient is 0.
         n = hidden.shape[0]
@@ -48,8 +56,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             if use_kernel:
                 g_c, row_loss = ce_grad(h @ w.t(), tgt, inv_n, n_classes)
             else:
-                g_c, row_loss = _softmax_grad(h @ w.t(), tgt, cols, n_classes, denom, acc,
-                                              need_grad)  # fmt: skip
+                g_c, row_loss = _softmax_grad(
+                    h @ w.t(), tgt, cols, n_classes, denom, acc, need_grad
+                )
             loss_sum += row_loss.sum()
             if need_grad:
                 grad_hidden[start : start + chunk_tokens] = g_c @ w
@@ -67,8 +76,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
-def _softmax_grad(logits: Tensor, tgt: Tensor, cols: Tensor, n_classes: int, denom: Tensor,
-                  acc: torch.dtype, need_grad: bool) -> tuple[Tensor | None, Tensor]:  # fmt: skip
+def _softmax_grad(
+    logits: Tensor,
+    tgt: Tensor,
+    cols: Tensor,
+    n_classes: int,
+    denom: Tensor,
+    acc: torch.dtype,
+    need_grad: bool,
+) -> tuple[Tensor | None, Tensor]:
     """The PyTorch form of one chunk's step from its logits (c, v), in the compute dtype: the
     gradient of the mean loss in that dtype (None without ``need_grad``) and each row's loss
     (in ``acc``; 0 on ignored rows).

@@ -13,8 +13,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from m3run.kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
 from torch import Tensor, nn
+
+from m3run.kernels.mamba3 import State, mamba3_siso, mamba3_siso_step, zero_state
 
 from .config import ModelConfig
 from .layers import linear_rows
@@ -131,15 +132,24 @@ class Mamba3Mixer(nn.Module):
         b, t, _ = u.shape
         p = self._project(u)
         out = mamba3_siso(
-            p["q"], p["k"], None,
-            p["adt"].transpose(1, 2), p["dt"].transpose(1, 2), p["trap"].transpose(1, 2),
-            self.C_bias, self.B_bias, p["angles"], self.D, None, zv=p["zv"],
+            p["q"],
+            p["k"],
+            None,
+            p["adt"].transpose(1, 2),
+            p["dt"].transpose(1, 2),
+            p["trap"].transpose(1, 2),
+            self.C_bias,
+            self.B_bias,
+            p["angles"],
+            self.D,
+            None,
+            zv=p["zv"],
             chunk_size=self.cfg.chunk_size,
             initial_state=initial_state,
             return_final_state=return_final_state,
             reset=reset,
             backend=self.cfg.scan_backend,
-        )  # fmt: skip
+        )
         y, state = out if return_final_state else (out, None)
         w = self.out_proj.weight
         (y,) = linear_rows(y.reshape(b, t, self.d_inner), w, [w.shape[0]], self.cfg.scan_backend)
@@ -161,8 +171,17 @@ class Mamba3Mixer(nn.Module):
         b = u.shape[0]
         p = self._project(u)
         y, state = mamba3_siso_step(
-            p["q"][:, 0], p["k"][:, 0], p["v"][:, 0],
-            p["adt"][:, 0], p["dt"][:, 0], p["trap"][:, 0],
-            self.C_bias, self.B_bias, p["angles"][:, 0], self.D, p["z"][:, 0], state,
-        )  # fmt: skip
+            p["q"][:, 0],
+            p["k"][:, 0],
+            p["v"][:, 0],
+            p["adt"][:, 0],
+            p["dt"][:, 0],
+            p["trap"][:, 0],
+            self.C_bias,
+            self.B_bias,
+            p["angles"][:, 0],
+            self.D,
+            p["z"][:, 0],
+            state,
+        )
         return self.out_proj(y.reshape(b, 1, self.d_inner)), state

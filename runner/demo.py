@@ -39,8 +39,18 @@ def sample() -> None:
 
 def main() -> int:
     if not (DATA / "train" / "manifest.json").exists():
-        code = m3run("prepare-data", "stdlib", "--out", str(DATA), "--tokenizer", "bpe:4096",
-                     "--max-bytes", "8000000", "--val-fraction", "0.02")  # fmt: skip
+        code = m3run(
+            "prepare-data",
+            "stdlib",
+            "--out",
+            str(DATA),
+            "--tokenizer",
+            "bpe:4096",
+            "--max-bytes",
+            "8000000",
+            "--val-fraction",
+            "0.02",
+        )
         if code:
             return code
     code = m3run("launch", str(CONFIG), "--run-dir", str(RUN))

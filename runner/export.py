@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
 from m3run.model import Mamba3LM
 from m3run.runner import __version__
 from m3run.runner.checkpoint.io import load_checkpoint
@@ -29,7 +31,6 @@ from m3run.runner.config import ConfigError, config_hash, load_frozen_config
 from m3run.runner.data.tokenizer import Tokenizer, load_tokenizer
 from m3run.runner.files import apply_umask
 from m3run.runner.protocol import CONFIG_FILE
-from safetensors.torch import save_file
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import psutil
+
 from m3run.runner.files import lock_holder, open_append
 
 # psutil's create time is the clock ticks since boot plus the boot time of /proc/stat, whole

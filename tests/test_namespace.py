@@ -38,10 +38,23 @@ def test_the_wheel_holds_m3run_alone_with_every_module_of_the_tree(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(tmp_path), "--quiet", "--disable-pip-version-check"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            "--quiet",
+            "--disable-pip-version-check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("m3run-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -53,6 +66,22 @@ def test_the_wheel_holds_m3run_alone_with_every_module_of_the_tree(tmp_path):
     assert not missing, f"pyproject.toml's packages leave out {sorted(missing)[:5]}"
     entry = zipfile.ZipFile(wheel).read(f"{dist_info.pop()}/entry_points.txt").decode()
     assert "m3run = m3run.runner.cli:app" in entry
+
+    # Installed as the image installs it (not editable), it runs from the install alone.
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet"]
+    installed = subprocess.run(
+        [*pip, "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=300
+    )
+    assert installed.returncode == 0, installed.stderr
+    env = {**_env(), "PYTHONPATH": str(site)}
+    run = dict(cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    code = "import m3run, m3run.runner.cli, m3run.model.lm, m3run.kernels; print(m3run.__file__)"
+    where = subprocess.run([sys.executable, "-c", code], **run)
+    assert where.returncode == 0, where.stderr
+    assert Path(where.stdout.strip()).parent == site / "m3run"
+    shown = subprocess.run([sys.executable, "-m", "m3run.runner.cli", "--help"], **run)
+    assert shown.returncode == 0 and "launch" in shown.stdout, shown.stderr
 
 
 def _shadowing_dir(root: Path) -> Path:
@@ -109,8 +138,13 @@ def test_m3run_imports_beside_a_users_model_runner_and_kernels(tmp_path):
 def test_m3run_train_runs_from_a_directory_that_shadows_its_old_names(tmp_path, corpus):
     cwd = _shadowing_dir(tmp_path / "work")
     sets = tiny_run_overrides(corpus, **{"train.total_steps": 3, "checkpoint.interval_steps": 3})
-    argv = [_m3run(), "train", str(REPO / "configs" / "demo_cpu.yaml"),
-            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    argv = [
+        _m3run(),
+        "train",
+        str(REPO / "configs" / "demo_cpu.yaml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     for kv in sets:
         argv += ["--set", kv]
     done = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)

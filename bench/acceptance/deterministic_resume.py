@@ -57,8 +57,9 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    from m3run.runner.checkpoint.layout import MODEL_FILE, latest_complete
     from safetensors.torch import load_file
+
+    from m3run.runner.checkpoint.layout import MODEL_FILE, latest_complete
 
     info = latest_complete(run_dir)
     if info is None:
@@ -80,13 +81,21 @@ def main() -> int:
     corpus = work / "corpus"
     sv.prepare_corpus(corpus, "bpe:512", 400_000, work / "prepare.log")
     base = sv.run_overrides(corpus, a.steps, a.interval, keep_last=a.steps // a.interval + 1)
-    base += ["supervisor.preemption_provider=none", "supervisor.backoff_initial_s=0.5",
-             "model.vocab_size=512", "data.reset_at_eos=true"]  # fmt: skip
+    base += [
+        "supervisor.preemption_provider=none",
+        "supervisor.backoff_initial_s=0.5",
+        "model.vocab_size=512",
+        "data.reset_at_eos=true",
+    ]
     if a.dry_run:
         base += ["train.device=cpu", "train.precision=fp32", "train.compile=false"]
     else:
-        base += ["train.device=cuda", "train.precision=bf16", "train.compile=true",
-                 "model.scan_backend=triton"]  # fmt: skip
+        base += [
+            "train.device=cuda",
+            "train.precision=bf16",
+            "train.compile=true",
+            "model.scan_backend=triton",
+        ]
     base += a.sets
     env = sv.child_env(**sv.compile_caches(work / "caches"))
     report = sv.report_start(work, overrides=base)
@@ -123,8 +132,11 @@ def main() -> int:
             )
         recs = train_records(run_dir)
         rates = [r["tokens_per_s"] for s, r in sorted(recs.items())[2:] if r.get("tokens_per_s")]
-        report[name] = {"seconds": round(time.time() - t0, 1), "steps": len(recs),
-                        "tokens_per_s": statistics.median(rates) if rates else None}  # fmt: skip
+        report[name] = {
+            "seconds": round(time.time() - t0, 1),
+            "steps": len(recs),
+            "tokens_per_s": statistics.median(rates) if rates else None,
+        }
         print(f"{name}: exit 0, {len(recs)} steps in {report[name]['seconds']} s")
         return run_dir
 
@@ -157,9 +169,11 @@ def main() -> int:
             det, off = report["reference"]["tokens_per_s"], report["default_mode"]["tokens_per_s"]
             if det and off:
                 report["deterministic_speed_ratio"] = det / off
-            print(f"default mode: {report['default_mode_equal_losses']}/{len(la)} losses equal "
-                  f"to the deterministic run; tokens/s deterministic / default = "
-                  f"{report.get('deterministic_speed_ratio', float('nan')):.3f}")  # fmt: skip
+            print(
+                f"default mode: {report['default_mode_equal_losses']}/{len(la)} losses equal "
+                f"to the deterministic run; tokens/s deterministic / default = "
+                f"{report.get('deterministic_speed_ratio', float('nan')):.3f}"
+            )
         code = 0 if ok else 1
         report["verdict"] = "reproduced bitwise" if ok else "NOT reproduced"
         print(report["verdict"])

@@ -107,12 +107,14 @@ class ClockSampler:
         nv, h = self._nvml, self._handle
         while not self._stop.wait(self._interval):
             try:
-                self.samples.append((
-                    time.perf_counter(),
-                    nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                    nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                    nv.nvmlDeviceGetCurrentClocksEventReasons(h),
-                ))  # fmt: skip
+                self.samples.append(
+                    (
+                        time.perf_counter(),
+                        nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                        nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                        nv.nvmlDeviceGetCurrentClocksEventReasons(h),
+                    )
+                )
             except Exception as e:  # a query this GPU or driver lacks: no more samples
                 self.error = f"{type(e).__name__}: {e}"
                 return
@@ -197,8 +199,10 @@ def timing_lines(result: dict) -> list[str]:
             f"{c['sm_mhz']} MHz/{c['power_w']} W" if c else "-" for c in result["step_clocks"]
         )
         seen = sorted({r for c in result["step_clocks"] if c for r in c["reasons"]})
-        out.append(f"SM clock/power by step: {per_step} | clock-event reasons seen: "
-                   f"{', '.join(seen) or 'none'}")  # fmt: skip
+        out.append(
+            f"SM clock/power by step: {per_step} | clock-event reasons seen: "
+            f"{', '.join(seen) or 'none'}"
+        )
     if result.get("clock_error"):
         out.append(f"GPU clocks not (all) read: {result['clock_error']}")
     return out
@@ -233,8 +237,14 @@ def kernel_rows(averages) -> list[dict]:
     for evt in averages:
         us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
         if us:
-            rows.append({"kernel": evt.key[:120], "kind": categorise(evt.key),
-                         "ms": us / 1e3, "calls": evt.count})  # fmt: skip
+            rows.append(
+                {
+                    "kernel": evt.key[:120],
+                    "kind": categorise(evt.key),
+                    "ms": us / 1e3,
+                    "calls": evt.count,
+                }
+            )
     return sorted(rows, key=lambda r: -r["ms"])
 
 
@@ -242,8 +252,11 @@ def device_spans(events) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every GPU activity (kernels, copies) of a profile."""
     from torch.autograd import DeviceType
 
-    spans = [(e.time_range.start, e.time_range.end, e.name) for e in events
-             if e.device_type == DeviceType.CUDA]  # fmt: skip
+    spans = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CUDA
+    ]
     return [span for span in spans if span[1] > span[0]]
 
 
@@ -268,8 +281,14 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int, floor_us: float =
     some activity runs (overlaps counted once), the idle rest, the gaps of ``floor_us`` or more
     and the ``top`` largest with the activities that end before and start after each."""
     if not spans:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0,
-                "largest": []}  # fmt: skip
+        return {
+            "span_ms": 0.0,
+            "busy_ms": 0.0,
+            "idle_ms": 0.0,
+            "gaps": 0,
+            "gaps_ms": 0.0,
+            "largest": [],
+        }
     spans = sorted(spans)
     busy, span, walk = gap_walk([(s, e) for s, e, _ in spans])
     gaps = [(us, spans[a][2], spans[b][2]) for us, a, b in walk]

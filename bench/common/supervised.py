@@ -29,8 +29,22 @@ RECIPE = REPO / "configs" / "pretrain_a100_434m.yaml"
 DRY_RECIPE = REPO / "configs" / "demo_cpu.yaml"
 STEADY_STEPS = 3  # steps logged after a first step, for its steady step time
 # What `m3run launch` and the worker import (module names).
-NEEDS = ("torch", "pydantic", "yaml", "structlog", "psutil", "typer", "rich", "numpy",
-         "safetensors", "tokenizers", "pyarrow", "zstandard", "fsspec", "pynvml")  # fmt: skip
+NEEDS = (
+    "torch",
+    "pydantic",
+    "yaml",
+    "structlog",
+    "psutil",
+    "typer",
+    "rich",
+    "numpy",
+    "safetensors",
+    "tokenizers",
+    "pyarrow",
+    "zstandard",
+    "fsspec",
+    "pynvml",
+)
 
 
 class BenchError(RuntimeError):
@@ -88,8 +102,18 @@ def prepare_corpus(out: Path, tokenizer: str, max_bytes: int, log: Path) -> floa
     if (out / "train" / "manifest.json").exists():
         return 0.0
     t0 = time.time()
-    argv = m3run("prepare-data", "stdlib", "--out", str(out), "--tokenizer", tokenizer,
-                 "--max-bytes", str(max_bytes), "--val-fraction", "0.01")  # fmt: skip
+    argv = m3run(
+        "prepare-data",
+        "stdlib",
+        "--out",
+        str(out),
+        "--tokenizer",
+        tokenizer,
+        "--max-bytes",
+        str(max_bytes),
+        "--val-fraction",
+        "0.01",
+    )
     with open(log, "ab") as f:
         code = subprocess.call(argv, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
     if code:
@@ -134,8 +158,9 @@ class Launch:
     """`m3run launch CONFIG --run-dir RUN_DIR --set …` in the foreground of a subprocess (its
     console in `log`), as a user types it."""
 
-    def __init__(self, config: Path, run_dir: Path, sets: list[str], env: dict[str, str],
-                 log: Path):  # fmt: skip
+    def __init__(
+        self, config: Path, run_dir: Path, sets: list[str], env: dict[str, str], log: Path
+    ):
         self.run_dir = run_dir
         self.log = log
         argv = m3run("launch", str(config), "--run-dir", str(run_dir))
@@ -173,8 +198,14 @@ class Launch:
         self._out.close()
 
 
-def wait_for(what: str, probe: Callable[[], Any], launch: Launch, deadline: float,
-             poll_s: float = 0.2, on_poll: Callable[[], None] | None = None) -> Any:  # fmt: skip
+def wait_for(
+    what: str,
+    probe: Callable[[], Any],
+    launch: Launch,
+    deadline: float,
+    poll_s: float = 0.2,
+    on_poll: Callable[[], None] | None = None,
+) -> Any:
     """Poll `probe` until it returns something other than None; BenchError if the launch ended
     first or the deadline (time.time()) passed."""
     while True:
@@ -312,8 +343,13 @@ def started_worker(run_dir: Path, after: float, exclude: int | None = None):
     return startup_record(run_dir, spawn["pid"]) if spawn else None
 
 
-def steady_step(run_dir: Path, start: dict, launch: Launch, deadline: float,
-                on_poll: Callable[[], None] | None = None) -> float | None:  # fmt: skip
+def steady_step(
+    run_dir: Path,
+    start: dict,
+    launch: Launch,
+    deadline: float,
+    on_poll: Callable[[], None] | None = None,
+) -> float | None:
     """The median step time of STEADY_STEPS steps after this worker's first one."""
     after = start["first_step_end"]
     times = wait_for(
@@ -393,8 +429,14 @@ def smoke_check_rows(run_dir: Path, since: float) -> list[dict]:
         checks = json.loads(path.read_text()).get("checks", [])
     except (OSError, ValueError):
         return []
-    return [_row(f"· check {c['number']}", c["seconds"], f"{c['name']} ({c['status']}), in the "
-                 "smoke test") for c in checks]  # fmt: skip
+    return [
+        _row(
+            f"· check {c['number']}",
+            c["seconds"],
+            f"{c['name']} ({c['status']}), in the smoke test",
+        )
+        for c in checks
+    ]
 
 
 def launch_rows(run_dir: Path, t_launch: float, start: dict, steady_s: float | None) -> list[dict]:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import itertools
 
-import m3run.kernels.add_rms_norm as op
 import torch
+
+import m3run.kernels.add_rms_norm as op
 
 
 def time_ms(fn, reps: int = 50) -> float:
@@ -52,9 +53,11 @@ def main() -> None:
     w = 1 + 0.1 * torch.randn(a.d, device="cuda")
     moved = s.numel() * (3 * 4 + 2 * 2)  # read s, g_s (fp32), g_n; write ds, its bf16 copy
     kept = (op.ROWS, op.NUM_WARPS, op.PROGRAMS)
-    print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | (b, t, d) = "
-          f"({a.b}, {a.t}, {a.d}) | the code's configuration: rows {kept[0]}, warps {kept[1]}, "
-          f"programs {kept[2]}")  # fmt: skip
+    print(
+        f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | (b, t, d) = "
+        f"({a.b}, {a.t}, {a.d}) | the code's configuration: rows {kept[0]}, warps {kept[1]}, "
+        f"programs {kept[2]}"
+    )
     rows = []
     for r, nw, p in itertools.product(a.rows, a.warps, a.programs):
         op.ROWS, op.NUM_WARPS, op.PROGRAMS = r, nw, p
@@ -63,8 +66,10 @@ def main() -> None:
     op.ROWS, op.NUM_WARPS, op.PROGRAMS = kept
     for ms, r, nw, p in sorted(rows):
         mark = "  (the code's)" if (r, nw, p) == kept else ""
-        print(f"rows {r} warps {nw:2d} programs {p:4d}: {ms * 1e3:7.1f} µs, "
-              f"{moved / ms / 1e6:6.0f} GB/s{mark}")  # fmt: skip
+        print(
+            f"rows {r} warps {nw:2d} programs {p:4d}: {ms * 1e3:7.1f} µs, "
+            f"{moved / ms / 1e6:6.0f} GB/s{mark}"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from m3run.kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent
 
 
@@ -29,12 +30,18 @@ def inputs(b, t, h, p, n, s, device, dtype, requires_grad):
     dt = F.softplus(torch.randn(b, h, t, generator=g) - 2).to(device)
     adt = (-F.softplus(torch.randn(b, h, t, generator=g)) * dt.cpu().to(device)).to(device)
     return dict(
-        q=r(b, t, 1, n), k=r(b, t, 1, n), v=r(b, t, h, p), z=r(b, t, h, p),
-        adt=adt.requires_grad_(requires_grad), dt=dt.requires_grad_(requires_grad),
-        trap=r(b, h, t, dt=torch.float32), q_bias=r(h, n, dt=torch.float32),
-        k_bias=r(h, n, dt=torch.float32), angles=r(b, t, h, s, dt=torch.float32),
+        q=r(b, t, 1, n),
+        k=r(b, t, 1, n),
+        v=r(b, t, h, p),
+        z=r(b, t, h, p),
+        adt=adt.requires_grad_(requires_grad),
+        dt=dt.requires_grad_(requires_grad),
+        trap=r(b, h, t, dt=torch.float32),
+        q_bias=r(h, n, dt=torch.float32),
+        k_bias=r(h, n, dt=torch.float32),
+        angles=r(b, t, h, s, dt=torch.float32),
         d=r(h, dt=torch.float32),
-    )  # fmt: skip
+    )
 
 
 def timeit(fn, device, reps):

@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import torch
 import torch.nn.functional as F
-from m3run.kernels.mamba3 import mamba3_siso
 from plan_edits import edited_plan, parse_variant
+
+from m3run.kernels.mamba3 import mamba3_siso
 
 
 def make_inputs(b, t, h, p, n, s, g, seed=0, shared_angles=False):
@@ -57,10 +58,15 @@ def make_inputs(b, t, h, p, n, s, g, seed=0, shared_angles=False):
         q=F.rms_norm(r(b, t, g, n), (n,)).bfloat16(),
         k=F.rms_norm(r(b, t, g, n), (n,)).bfloat16(),
         v=r(b, t, h, p).bfloat16(),
-        adt=-F.softplus(r(b, h, t)) * dt, dt=dt, trap=r(b, h, t),
-        q_bias=torch.ones(h, n), k_bias=torch.ones(h, n),
-        angles=r(b, t, 1 if shared_angles else h, s), d=torch.ones(h), z=r(b, t, h, p).bfloat16(),
-    )  # fmt: skip
+        adt=-F.softplus(r(b, h, t)) * dt,
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=torch.ones(h, n),
+        k_bias=torch.ones(h, n),
+        angles=r(b, t, 1 if shared_angles else h, s),
+        d=torch.ones(h),
+        z=r(b, t, h, p).bfloat16(),
+    )
     return {key: val.cuda() for key, val in x.items()}
 
 
@@ -71,9 +77,12 @@ def load_official():
     if spec is None or not spec.submodule_search_locations:
         return None
     root = Path(next(iter(spec.submodule_search_locations)))
-    for name, sub in (("mamba_ssm", "."), ("mamba_ssm.ops", "ops"),
-                      ("mamba_ssm.ops.triton", "ops/triton"),
-                      ("mamba_ssm.ops.triton.mamba3", "ops/triton/mamba3")):  # fmt: skip
+    for name, sub in (
+        ("mamba_ssm", "."),
+        ("mamba_ssm.ops", "ops"),
+        ("mamba_ssm.ops.triton", "ops/triton"),
+        ("mamba_ssm.ops.triton.mamba3", "ops/triton/mamba3"),
+    ):
         mod = types.ModuleType(name)
         mod.__path__ = [str(root / sub)]
         sys.modules[name] = mod
@@ -88,8 +97,7 @@ def official_fn(combined):
 
     def fn(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size):
         angles = angles.expand(-1, -1, v.shape[2], -1)
-        return combined(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
-                        chunk_size=chunk_size)  # fmt: skip
+        return combined(q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, chunk_size=chunk_size)
 
     return fn
 
@@ -113,8 +121,11 @@ def differentiable(x, row_width: int = 0):
     ``row_width``, z and v are the column ranges [0, E) and [E, 2E) of one (b, t, row_width) leaf
     (E = h·p), as they were of in_proj's output when it was one product, so the kernels read them
     with its row stride and their gradients meet in one tensor."""
-    leaves = {key: val.clone().requires_grad_() for key, val in x.items()
-              if not (row_width and key in ("v", "z"))}  # fmt: skip
+    leaves = {
+        key: val.clone().requires_grad_()
+        for key, val in x.items()
+        if not (row_width and key in ("v", "z"))
+    }
     if not row_width:
         return leaves, lambda: leaves
     b, t, h, p = x["v"].shape
@@ -218,8 +229,16 @@ def kernel_times(fn, x, chunk, reps: int = 20, row_width: int = 0) -> list[tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("b", 16), ("t", 2048), ("h", 32), ("p", 64), ("n", 64), ("s", 16),
-                          ("g", 1), ("chunk", 64)):  # fmt: skip
+    for name, default in (
+        ("b", 16),
+        ("t", 2048),
+        ("h", 32),
+        ("p", 64),
+        ("n", 64),
+        ("s", 16),
+        ("g", 1),
+        ("chunk", 64),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-ref", action="store_true", help="skip the PyTorch reference")
     ap.add_argument(
@@ -311,8 +330,9 @@ def main() -> None:
         for name, fn in impls.items():
             with edited_plan(edits.get(name)):
                 fb[name].append(time_fwd_bwd(fn, x, a.chunk, widths.get(name, 0)))
-        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f} ms" for n, v in fb.items()),
-              flush=True)  # fmt: skip
+        print(
+            f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.3f} ms" for n, v in fb.items()), flush=True
+        )
     fb = {name: statistics.median(times) for name, times in fb.items()}
     for name, ms in fb.items():
         print(f"{name}: fwd+bwd {ms:.3f} ms (median of {a.rounds})", flush=True)
@@ -325,8 +345,10 @@ def main() -> None:
         with edited_plan(edits.get(name)):
             fw[name] = time_fwd(fn, x, a.chunk, widths.get(name, 0))
         print(f"{name}: fwd {fw[name]:.3f} ms", flush=True)
-    head = (f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
-            f" {'fwd/off':>8} {'f+b/off':>8}")  # fmt: skip
+    head = (
+        f"{'impl':15} {'fwd ms':>8} {'fwd GB/s':>9} {'fwd+bwd ms':>11} {'GB/s':>7}"
+        f" {'fwd/off':>8} {'f+b/off':>8}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for name in impls:
         ms_f, ms_fb = fw[name], fb[name]
@@ -343,10 +365,15 @@ def main() -> None:
         for name, fn in impls.items():
             with edited_plan(edits.get(name)):
                 ms = host_ms(fn, x, a.chunk, row_width=widths.get(name, 0))
-            pace = ("back to back the calls run at the host's pace" if ms > fb[name]
-                    else "the GPU's time bounds it")  # fmt: skip
-            print(f"{name}: host {ms:.3f} ms a fwd+bwd against {fb[name]:.3f} ms timed ({pace})",
-                  flush=True)  # fmt: skip
+            pace = (
+                "back to back the calls run at the host's pace"
+                if ms > fb[name]
+                else "the GPU's time bounds it"
+            )
+            print(
+                f"{name}: host {ms:.3f} ms a fwd+bwd against {fb[name]:.3f} ms timed ({pace})",
+                flush=True,
+            )
 
     # After the timings, so that no profiler state touches them.
     if a.kernels is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+
 from m3run.kernels.mamba3 import triton_sums
 from m3run.kernels.mamba3.launching import LaunchConfig
 
@@ -23,8 +24,12 @@ def time_launch(dq, dk, dd, partials_in, parts: bool, cfg: LaunchConfig, rows: i
     """ms of one head sum and parameters' sum under (cfg, rows), after checking their results."""
     import triton.testing
 
-    saved = (triton_sums.HEAD_SUM, triton_sums.HEAD_SUM_ROWS, triton_sums.HEAD_SUM_PARTS,
-             triton_sums.HEAD_SUM_PARTS_ROWS)  # fmt: skip
+    saved = (
+        triton_sums.HEAD_SUM,
+        triton_sums.HEAD_SUM_ROWS,
+        triton_sums.HEAD_SUM_PARTS,
+        triton_sums.HEAD_SUM_PARTS_ROWS,
+    )
     triton_sums.HEAD_SUM = triton_sums.HEAD_SUM_PARTS = cfg
     triton_sums.HEAD_SUM_ROWS = triton_sums.HEAD_SUM_PARTS_ROWS = rows
     try:
@@ -42,8 +47,12 @@ def time_launch(dq, dk, dd, partials_in, parts: bool, cfg: LaunchConfig, rows: i
             raise AssertionError("bias sums differ from PyTorch's")
         return triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
     finally:
-        (triton_sums.HEAD_SUM, triton_sums.HEAD_SUM_ROWS, triton_sums.HEAD_SUM_PARTS,
-         triton_sums.HEAD_SUM_PARTS_ROWS) = saved  # fmt: skip
+        (
+            triton_sums.HEAD_SUM,
+            triton_sums.HEAD_SUM_ROWS,
+            triton_sums.HEAD_SUM_PARTS,
+            triton_sums.HEAD_SUM_PARTS_ROWS,
+        ) = saved
 
 
 def main() -> None:
@@ -56,8 +65,10 @@ def main() -> None:
     dq, dk = (torch.randn(a.b, a.t, a.h, a.n, generator=gen).bfloat16().cuda() for _ in "qk")
     dd = torch.randn(a.b, nc, a.h, generator=gen).cuda()
     partials_in = torch.randn(a.b, nc, a.h, a.n, generator=gen).cuda()  # the chunk kernel's
-    print(f"scan backward sums on {torch.cuda.get_device_name()}, b{a.b} t{a.t} h{a.h} n{a.n} "
-          f"(one group), {nc} chunks; µs, the parameters' sum included")  # fmt: skip
+    print(
+        f"scan backward sums on {torch.cuda.get_device_name()}, b{a.b} t{a.t} h{a.h} n{a.n} "
+        f"(one group), {nc} chunks; µs, the parameters' sum included"
+    )
     for parts in (False, True):
         print("\nwith each head's bias partials" if parts else "\nwithout the bias partials")
         print(f"{'warps':>5} {'stages':>6} " + " ".join(f"{r:>4} rows" for r in (16, 32, 64, 128)))

@@ -20,10 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 
 import torch
-from m3run.model.layers import SwiGLU
-from m3run.model.lm import compile_options
 from step_probes import kernel_rows
 from torch.profiler import ProfilerActivity, profile
+
+from m3run.model.layers import SwiGLU
+from m3run.model.lm import compile_options
 
 
 def bench(backend: str, compiled: bool, a: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ import ast
 from pathlib import Path
 
 import torch
+
 from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_common as tc
 from m3run.kernels.mamba3.tools import tuning
@@ -76,18 +77,39 @@ def write_table(path: Path, arch: str, key: str, entry: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("b", 16), ("t", 2048), ("h", 32), ("p", 64), ("n", 64), ("s", 16),
-                          ("g", 1)):  # fmt: skip
+    for name, default in (
+        ("b", 16),
+        ("t", 2048),
+        ("h", 32),
+        ("p", 64),
+        ("n", 64),
+        ("s", 16),
+        ("g", 1),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--chunk", type=int, nargs="+", choices=tc.CHUNK_SIZES,
-                    default=list(tc.CHUNK_SIZES), help="chunks to try")  # fmt: skip
-    ap.add_argument("--only", nargs="+", choices=lp.KERNELS, default=list(lp.KERNELS),
-                    help="tune these kernels; the others keep this GPU's table entry at each "
-                    "chunk (the defaults where it has none)")  # fmt: skip
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        nargs="+",
+        choices=tc.CHUNK_SIZES,
+        default=list(tc.CHUNK_SIZES),
+        help="chunks to try",
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=lp.KERNELS,
+        default=list(lp.KERNELS),
+        help="tune these kernels; the others keep this GPU's table entry at each "
+        "chunk (the defaults where it has none)",
+    )
     ap.add_argument("--dtype", choices=sorted(lp.DOT_DTYPES), default="bf16")
-    ap.add_argument("--no-reset", action="store_true",
-                    help="no packed documents (by default a reset every 512 tokens, as the "
-                    "recipes train with data.reset_at_eos)")  # fmt: skip
+    ap.add_argument(
+        "--no-reset",
+        action="store_true",
+        help="no packed documents (by default a reset every 512 tokens, as the "
+        "recipes train with data.reset_at_eos)",
+    )
     ap.add_argument("--out", type=Path, default=Path("kernels/mamba3/plans/table.py"))
     a = ap.parse_args()
 

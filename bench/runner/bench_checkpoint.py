@@ -123,14 +123,22 @@ def save_sync(s: Setup, run_dir: Path, step: int) -> dict:
     t_snap = time.perf_counter() - t0
     result = ckpt.timed_write(step, _job(run_dir, step, cpu_model, cpu_optim, meta))
     stall = time.perf_counter() - t0
-    return {"stall_s": stall, "snapshot_s": t_snap, "write_s": result.write_s,
-            "bytes": result.bytes}  # fmt: skip
+    return {
+        "stall_s": stall,
+        "snapshot_s": t_snap,
+        "write_s": result.write_s,
+        "bytes": result.bytes,
+    }
 
 
 def save_async(
-    s: Setup, run_dir: Path, step: int, buffers: ckpt.SnapshotBuffers,
-    writer: ckpt.BackgroundWriter, train_steps: int,
-) -> dict:  # fmt: skip
+    s: Setup,
+    run_dir: Path,
+    step: int,
+    buffers: ckpt.SnapshotBuffers,
+    writer: ckpt.BackgroundWriter,
+    train_steps: int,
+) -> dict:
     _sync(s.device)
     t0 = time.perf_counter()
     model_state, state, meta = s.states()
@@ -146,8 +154,13 @@ def save_async(
         step_times.append(time.perf_counter() - t)
     writer.join()
     result = writer.result()
-    return {"stall_s": stall, "write_s": result.write_s, "bytes": result.bytes,
-            "allocated_bytes": allocated, "steps_during_write": step_times}  # fmt: skip
+    return {
+        "stall_s": stall,
+        "write_s": result.write_s,
+        "bytes": result.bytes,
+        "allocated_bytes": allocated,
+        "steps_during_write": step_times,
+    }
 
 
 def _row(name: str, runs: list[dict], key: str) -> str:
@@ -165,9 +178,13 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, required=True, help="run dir the checkpoints go to")
     ap.add_argument("--reps", type=int, default=3, help="saves per mode after the first")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    ap.add_argument("--train-steps", type=int, default=None,
-                    help="measure the step time alone over N steps and while a write runs "
-                         "(default 10 on CUDA, 0 on CPU)")  # fmt: skip
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="measure the step time alone over N steps and while a write runs "
+        "(default 10 on CUDA, 0 on CPU)",
+    )
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
@@ -182,8 +199,10 @@ def main() -> int:
         return 2
     cuda = torch.cuda.is_available()
     if a.device == "cuda" and not cuda:
-        print("error: --device cuda but no CUDA GPU is visible; use --device auto or cpu",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: --device cuda but no CUDA GPU is visible; use --device auto or cpu",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda" if (cuda and a.device != "cpu") else "cpu")
     if a.preset != "tiny" and device.type != "cuda":
@@ -274,9 +293,17 @@ def main() -> int:
             f"{len(during)} steps)"
         )
     if a.json:
-        record = {"preset": a.preset, "device": where, "params": s.n_params, "bytes": n_bytes,
-                  "pinned_bytes": buffers.nbytes, "first_async": first, "sync": syncs,
-                  "async": asyncs, "step_s_alone": base_steps}  # fmt: skip
+        record = {
+            "preset": a.preset,
+            "device": where,
+            "params": s.n_params,
+            "bytes": n_bytes,
+            "pinned_bytes": buffers.nbytes,
+            "first_async": first,
+            "sync": syncs,
+            "async": asyncs,
+            "step_s_alone": base_steps,
+        }
         a.json.write_text(json.dumps(record, indent=2))
     return 0
 

@@ -28,8 +28,17 @@ def run(nproc: int, run_dir: Path, overrides: list[str], env: dict) -> tuple[flo
     if nproc == 1:
         cmd = [sys.executable, "-m", "m3run.runner.train"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--max-restarts", "0", "-m", "m3run.runner.train"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            "0",
+            "-m",
+            "m3run.runner.train",
+        ]
     cmd += [str(REPO / "configs" / "pretrain_a100_434m.yaml"), "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
@@ -56,6 +65,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     import torch
+
     from m3run.runner.data.prepare import prepare_data
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
@@ -65,31 +75,53 @@ def main() -> None:
     data = work / "data"
     vocab = 8192 if gpu else 512
     max_bytes = 6_000_000 if gpu else 400_000
-    prepare_data(["stdlib"], data, tokenizer=f"bpe:{vocab}", max_bytes=max_bytes,
-                 val_fraction=0.01, progress=False)  # fmt: skip
+    prepare_data(
+        ["stdlib"],
+        data,
+        tokenizer=f"bpe:{vocab}",
+        max_bytes=max_bytes,
+        val_fraction=0.01,
+        progress=False,
+    )
     overrides = [
-        f"model.preset={preset}", f"train.total_steps={a.steps}", "train.warmup_steps=2",
-        f"train.micro_batch_size={micro}", f"train.grad_accum_steps={a.nproc}",
-        f"train.compile={'true' if a.compile else 'false'}", "eval.interval_steps=0",
-        f"checkpoint.interval_steps={a.steps}", "log.interval_steps=1",
-        f"data.train_path={data / 'train'}", f"data.val_path={data / 'val'}",
-        f"train.device={'cuda' if gpu else 'cpu'}", f"train.precision={'bf16' if gpu else 'fp32'}",
-    ]  # fmt: skip
+        f"model.preset={preset}",
+        f"train.total_steps={a.steps}",
+        "train.warmup_steps=2",
+        f"train.micro_batch_size={micro}",
+        f"train.grad_accum_steps={a.nproc}",
+        f"train.compile={'true' if a.compile else 'false'}",
+        "eval.interval_steps=0",
+        f"checkpoint.interval_steps={a.steps}",
+        "log.interval_steps=1",
+        f"data.train_path={data / 'train'}",
+        f"data.val_path={data / 'val'}",
+        f"train.device={'cuda' if gpu else 'cpu'}",
+        f"train.precision={'bf16' if gpu else 'fp32'}",
+    ]
     if not gpu:
         overrides += ["data.seq_len=64", "model.vocab_size=512"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     if not gpu:
         env["OMP_NUM_THREADS"] = "1"
     one, wall1 = run(1, work / "one", overrides, env)
     many, wall_n = run(a.nproc, work / "many", overrides, env)
     eff = many / (a.nproc * one)
     what = torch.cuda.get_device_name(0) if gpu else "CPU (gloo smoke run)"
-    print(f"{preset} on {what} | torch {torch.__version__} | global batch "
-          f"{micro * a.nproc} seq | compile {a.compile}")  # fmt: skip
+    print(
+        f"{preset} on {what} | torch {torch.__version__} | global batch "
+        f"{micro * a.nproc} seq | compile {a.compile}"
+    )
     print(f"1 process : {one / 1e3:8.1f}k tok/s                 (wall {wall1:.0f}s)")
-    print(f"{a.nproc} processes: {many / 1e3:8.1f}k tok/s, {many / a.nproc / 1e3:.1f}k per GPU "
-          f"(wall {wall_n:.0f}s)")  # fmt: skip
+    print(
+        f"{a.nproc} processes: {many / 1e3:8.1f}k tok/s, {many / a.nproc / 1e3:.1f}k per GPU "
+        f"(wall {wall_n:.0f}s)"
+    )
     print(f"scaling efficiency: {eff:.1%}")
 
 

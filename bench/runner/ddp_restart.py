@@ -39,32 +39,55 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=15)
     a = ap.parse_args()
     import torch
+    from safetensors.torch import load_file
+
     from m3run.runner.checkpoint.layout import latest_complete
     from m3run.runner.data.prepare import prepare_data
-    from safetensors.torch import load_file
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.nproc
     work = Path(tempfile.mkdtemp(prefix="ddp-restart-"))
-    prepare_data(["stdlib"], work / "data", tokenizer="bpe:512", max_bytes=400_000,
-                 progress=False)  # fmt: skip
+    prepare_data(["stdlib"], work / "data", tokenizer="bpe:512", max_bytes=400_000, progress=False)
     sets = [
-        f"distributed.nproc_per_node={a.nproc}", f"train.total_steps={a.steps}",
-        "train.warmup_steps=5", "train.micro_batch_size=4", f"train.grad_accum_steps={a.nproc}",
-        "checkpoint.interval_steps=5", "log.interval_steps=1", "eval.interval_steps=0",
-        "model.vocab_size=512", "data.seq_len=128", "log.heartbeat_interval_s=0.2",
-        f"data.train_path={work / 'data' / 'train'}", f"data.val_path={work / 'data' / 'val'}",
-        f"train.device={'cuda' if gpu else 'cpu'}", f"train.precision={'bf16' if gpu else 'fp32'}",
-        "supervisor.backoff_initial_s=1", "supervisor.preemption_provider=none",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+        f"distributed.nproc_per_node={a.nproc}",
+        f"train.total_steps={a.steps}",
+        "train.warmup_steps=5",
+        "train.micro_batch_size=4",
+        f"train.grad_accum_steps={a.nproc}",
+        "checkpoint.interval_steps=5",
+        "log.interval_steps=1",
+        "eval.interval_steps=0",
+        "model.vocab_size=512",
+        "data.seq_len=128",
+        "log.heartbeat_interval_s=0.2",
+        f"data.train_path={work / 'data' / 'train'}",
+        f"data.val_path={work / 'data' / 'val'}",
+        f"train.device={'cuda' if gpu else 'cpu'}",
+        f"train.precision={'bf16' if gpu else 'fp32'}",
+        "supervisor.backoff_initial_s=1",
+        "supervisor.preemption_provider=none",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     if not gpu:
         env["OMP_NUM_THREADS"] = "1"
 
     def launch(run_dir: Path, *extra: str) -> list[str]:
         config = REPO / "configs" / "demo_cpu.yaml"
-        cmd = [sys.executable, "-m", "m3run.runner.cli", "launch", str(config),
-               "--run-dir", str(run_dir), *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "m3run.runner.cli",
+            "launch",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            *extra,
+        ]
         for s in sets:
             cmd += ["--set", s]
         return cmd
@@ -75,8 +98,9 @@ def main() -> None:
     if r.returncode != 0:
         sys.exit(f"reference run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     print(f"reference run: exit 0 in {time.time() - t0:.0f}s")
-    proc = subprocess.Popen(launch(chaos), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        launch(chaos), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     victim = None
     while proc.poll() is None and victim is None:
         time.sleep(0.1)

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from m3run.model import ModelConfig
-from m3run.model.loss import linear_cross_entropy
 from step_probes import sync, timed_steps
 from torch import Tensor, nn
+
+from m3run.model import ModelConfig
+from m3run.model.loss import linear_cross_entropy
 
 # Python packages the official Mamba-3 module imports beyond torch.
 OFFICIAL_NEEDS = ("triton", "einops")
@@ -69,9 +70,13 @@ def import_official_mamba3() -> type[nn.Module]:
             f"the official Mamba-3 module at {root} imports {', '.join(missing)}, not installed "
             f"in {sys.executable}. Fix: install {' and '.join(missing)} (or carry the wheels)"
         )
-    for name, sub in (("mamba_ssm", "."), ("mamba_ssm.modules", "modules"),
-                      ("mamba_ssm.ops", "ops"), ("mamba_ssm.ops.triton", "ops/triton"),
-                      ("mamba_ssm.ops.triton.mamba3", "ops/triton/mamba3")):  # fmt: skip
+    for name, sub in (
+        ("mamba_ssm", "."),
+        ("mamba_ssm.modules", "modules"),
+        ("mamba_ssm.ops", "ops"),
+        ("mamba_ssm.ops.triton", "ops/triton"),
+        ("mamba_ssm.ops.triton.mamba3", "ops/triton/mamba3"),
+    ):
         if name not in sys.modules:
             mod = types.ModuleType(name)
             mod.__path__ = [str(root / sub)]
@@ -96,11 +101,20 @@ def official_mixer_kwargs(cfg: ModelConfig) -> dict:
             f"the official Mamba-3 module takes rope_fraction 0.5 or 1.0, got {cfg.rope_fraction}"
         )
     return dict(
-        d_model=cfg.d_model, d_state=cfg.d_state, expand=cfg.expand, headdim=cfg.headdim,
-        ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction, dt_min=cfg.dt_min,
-        dt_max=cfg.dt_max, dt_init_floor=cfg.dt_init_floor, A_floor=cfg.A_floor,
-        chunk_size=cfg.chunk_size, is_mimo=False, is_outproj_norm=False,
-    )  # fmt: skip
+        d_model=cfg.d_model,
+        d_state=cfg.d_state,
+        expand=cfg.expand,
+        headdim=cfg.headdim,
+        ngroups=cfg.ngroups,
+        rope_fraction=cfg.rope_fraction,
+        dt_min=cfg.dt_min,
+        dt_max=cfg.dt_max,
+        dt_init_floor=cfg.dt_init_floor,
+        A_floor=cfg.A_floor,
+        chunk_size=cfg.chunk_size,
+        is_mimo=False,
+        is_outproj_norm=False,
+    )
 
 
 def official_mixer_factory(cfg: ModelConfig) -> Callable[[int], nn.Module]:
@@ -183,9 +197,15 @@ class AnchorLM(nn.Module):
         return linear_cross_entropy(h, self.embedding.weight[: self.config.vocab_size], targets)
 
 
-def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.device,
-                 steps: int, warmup: int, peak: float | None,
-                 impl: str = "official") -> dict:  # fmt: skip
+def bench_anchor(
+    cfg,
+    make_mixer: Callable[[int], nn.Module],
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    peak: float | None,
+    impl: str = "official",
+) -> dict:
     """Train AnchorLM with `cfg`'s train and data settings the way Trainer.train_step does;
     the first step (compilation, the official kernels' autotuning) is timed on its own, then
     `warmup - 1` more steps, then `steps` timed steps. `impl` names the result's mixer."""
@@ -198,10 +218,17 @@ def bench_anchor(cfg, make_mixer: Callable[[int], nn.Module], device: torch.devi
     n_params = model.num_params()
     optimizer = build_optimizer(model, device, t, lr=t.lr, eps=t.eps)
     loader = train_loader(
-        cfg.data.train_path, cfg.data.sources, cfg.data.seq_len, t.micro_batch_size, t.seed,
-        rank=0, world_size=1, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda",
+        cfg.data.train_path,
+        cfg.data.sources,
+        cfg.data.seq_len,
+        t.micro_batch_size,
+        t.seed,
+        rank=0,
+        world_size=1,
+        prefetch=cfg.data.prefetch,
+        pin_memory=device.type == "cuda",
         force=False,
-    )  # fmt: skip
+    )
     step_model = model
     if t.compile:
         step_model = torch.compile(model, mode=t.compile_mode)

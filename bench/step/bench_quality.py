@@ -71,12 +71,20 @@ def prepare(a: argparse.Namespace) -> Path:
     out = a.data or Path(tempfile.mkdtemp(prefix="bench-quality-")) / "data"
     vocab, max_bytes = ("bpe:512", 400_000) if a.dry_run else (a.tokenizer, a.max_bytes)
     t0 = time.perf_counter()
-    summary = prepare_data(a.text or ["stdlib"], out, tokenizer=vocab, max_bytes=max_bytes,
-                           val_fraction=a.val_fraction, progress=False,
-                           skip_bad=a.skip_bad)  # fmt: skip
-    print(f"data: {out} from {' '.join(a.text or ['stdlib'])}, tokenizer {vocab}, "
-          f"{time.perf_counter() - t0:.1f} s: {json.dumps(summary, default=str)[:300]}",
-          flush=True)  # fmt: skip
+    summary = prepare_data(
+        a.text or ["stdlib"],
+        out,
+        tokenizer=vocab,
+        max_bytes=max_bytes,
+        val_fraction=a.val_fraction,
+        progress=False,
+        skip_bad=a.skip_bad,
+    )
+    print(
+        f"data: {out} from {' '.join(a.text or ['stdlib'])}, tokenizer {vocab}, "
+        f"{time.perf_counter() - t0:.1f} s: {json.dumps(summary, default=str)[:300]}",
+        flush=True,
+    )
     return out
 
 
@@ -115,6 +123,7 @@ def build(kind: str, cfg, device: torch.device, official: Callable | None):
     """(the module, what a training step calls) for one model kind, initialised by
     cfg.train.seed."""
     from anchor_lm import AnchorLM
+
     from m3run.model.lm import compile_options
     from m3run.model.mixer import Mamba3Mixer
     from m3run.runner.worker.build import build_model, compile_for_training
@@ -143,9 +152,18 @@ def train_one(kind: str, cfg, device: torch.device, official, eval_set, data_see
     model.train()
     optimizer = build_optimizer(model, device, t, lr=lr_at(cfg, 1), eps=t.eps)
     amp = resolve_precision(cfg, device)
-    loader = train_loader(d.train_path, None, d.seq_len, t.micro_batch_size, data_seed, rank=0,
-                          world_size=1, prefetch=d.prefetch, pin_memory=device.type == "cuda",
-                          force=False)  # fmt: skip
+    loader = train_loader(
+        d.train_path,
+        None,
+        d.seq_len,
+        t.micro_batch_size,
+        data_seed,
+        rank=0,
+        world_size=1,
+        prefetch=d.prefetch,
+        pin_memory=device.type == "cuda",
+        force=False,
+    )
     losses: list[torch.Tensor] = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -241,10 +259,14 @@ def summary(results: list[dict]) -> list[str]:
         if ref is not None and runs is not ref:
             ref_held = statistics.fmean(r["held_out_loss"] for r in ref)
             ref_train = statistics.fmean(r["train_loss"] for r in ref)
-            diff = (f" | Δ held-out {statistics.fmean(held) - ref_held:+.4f}, Δ train "
-                    f"{statistics.fmean(train) - ref_train:+.4f} nats")  # fmt: skip
-        lines.append(f"{name:22} seeds {seeds:8} | held-out {spread(held)} | train (last "
-                     f"{LAST_STEPS}) {spread(train)}{diff}")  # fmt: skip
+            diff = (
+                f" | Δ held-out {statistics.fmean(held) - ref_held:+.4f}, Δ train "
+                f"{statistics.fmean(train) - ref_train:+.4f} nats"
+            )
+        lines.append(
+            f"{name:22} seeds {seeds:8} | held-out {spread(held)} | train (last "
+            f"{LAST_STEPS}) {spread(train)}{diff}"
+        )
     return lines
 
 
@@ -259,8 +281,9 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (1)")
     ap.add_argument("--seq-len", type=int, default=None, help="default 2048 (dry run 64)")
     ap.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches (16)")
-    ap.add_argument("--models", nargs="+", default=None, choices=MODELS,
-                    help="default: official ours")  # fmt: skip
+    ap.add_argument(
+        "--models", nargs="+", default=None, choices=MODELS, help="default: official ours"
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -284,8 +307,10 @@ def main() -> None:
     a.micro_batch = a.micro_batch or (2 if a.dry_run else 8)
     a.seq_len = a.seq_len or (64 if a.dry_run else 2048)
     if a.steps < LAST_STEPS and not a.dry_run:
-        raise SystemExit(f"--steps must be ≥ {LAST_STEPS} (the reported training loss is the "
-                         f"mean of the last {LAST_STEPS}), got {a.steps}")  # fmt: skip
+        raise SystemExit(
+            f"--steps must be ≥ {LAST_STEPS} (the reported training loss is the "
+            f"mean of the last {LAST_STEPS}), got {a.steps}"
+        )
     variants = []
     for spec in a.variant:
         name, sets, edits = parse_variant(spec, config_keys=True)
@@ -307,31 +332,41 @@ def main() -> None:
 
     eval_set = eval_batches(data_dir / "val", a.seq_len, a.micro_batch, a.eval_batches)
     tokens = a.steps * a.micro_batch * a.accum * a.seq_len
-    print(f"{a.steps} steps × {a.micro_batch} × {a.accum} × {a.seq_len} = {tokens / 1e6:.2f}M "
-          f"tokens a run, lr {a.lr} (warmup {a.warmup}, cosine), held-out "
-          f"{len(eval_set) * a.micro_batch * a.seq_len / 1e3:.0f}k tokens, vocab "
-          f"{cfg.model.vocab_size}, torch {torch.__version__}"
-          + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", CPU"),
-          flush=True)  # fmt: skip
+    print(
+        f"{a.steps} steps × {a.micro_batch} × {a.accum} × {a.seq_len} = {tokens / 1e6:.2f}M "
+        f"tokens a run, lr {a.lr} (warmup {a.warmup}, cosine), held-out "
+        f"{len(eval_set) * a.micro_batch * a.seq_len / 1e3:.0f}k tokens, vocab "
+        f"{cfg.model.vocab_size}, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", CPU"),
+        flush=True,
+    )
     runs = [(m, m, []) for m in models] + [(f"ours[{n}]", "ours", sets) for n, sets in variants]
     results: list[dict] = []
     for seed in a.seeds:
         for name, kind, sets in runs:
             c = run_config(a, data_dir, [*sets, f"train.seed={seed}"])
             label = "stand-in" if kind == "official" and a.dry_run else name
-            r = {"model": label, "kind": kind, "sets": sets, "seed": seed,
-                 **train_one(kind, c, device, official, eval_set, a.data_seed)}  # fmt: skip
+            r = {
+                "model": label,
+                "kind": kind,
+                "sets": sets,
+                "seed": seed,
+                **train_one(kind, c, device, official, eval_set, a.data_seed),
+            }
             results.append(r)
             mem = f" | peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] else ""
             bad = f" | DIVERGED at step {r['diverged_at']}" if r["diverged_at"] else ""
-            print(f"{label:22} seed {seed} | train {r['train_loss']:.4f} | held-out "
-                  f"{r['held_out_loss']:.4f} | first {r['first_loss']:.3f} | "
-                  f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | {r['wall_s']:.0f} s{mem}{bad}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{label:22} seed {seed} | train {r['train_loss']:.4f} | held-out "
+                f"{r['held_out_loss']:.4f} | first {r['first_loss']:.3f} | "
+                f"{r['tokens_per_s'] / 1e3:.1f}k tok/s | {r['wall_s']:.0f} s{mem}{bad}",
+                flush=True,
+            )
             if a.json:
                 a.json.parent.mkdir(parents=True, exist_ok=True)
-                a.json.write_text(json.dumps({"args": vars(a), "results": results}, indent=1,
-                                             default=str))  # fmt: skip
+                a.json.write_text(
+                    json.dumps({"args": vars(a), "results": results}, indent=1, default=str)
+                )
     print("summary (mean ± sample std over seeds; Δ: mean minus the official's mean):")
     for text in summary(results):
         print(f"  {text}", flush=True)

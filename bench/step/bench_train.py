@@ -85,9 +85,18 @@ def trainer_option(item: str, spec: str) -> tuple[str, bool]:
     return name, value == "1"
 
 
-def run_config(recipe: Path, micro: int, accum: int, compile_: bool, data_dir: Path,
-               backend: str, dry_run: bool, resets: bool = True, scope: str = "blocks",
-               sets: tuple[str, ...] = ()):  # fmt: skip
+def run_config(
+    recipe: Path,
+    micro: int,
+    accum: int,
+    compile_: bool,
+    data_dir: Path,
+    backend: str,
+    dry_run: bool,
+    resets: bool = True,
+    scope: str = "blocks",
+    sets: tuple[str, ...] = (),
+):
     """The recipe with the benchmark's batch, compile (``train.compile_scope``) and backend, on
     the prepared corpus, with the scan state reset after every EOS (``data.reset_at_eos``) or
     not, and the caller's ``KEY=VALUE`` overrides last."""
@@ -190,8 +199,10 @@ def bench_one(
                 trainer.train_step()
             torch.cuda.synchronize(trainer.device)
             wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
-        rows = [{**r, "ms": r["ms"] / PROFILED_STEPS, "calls": r["calls"] // PROFILED_STEPS}
-                for r in kernel_rows(p.key_averages())]  # fmt: skip
+        rows = [
+            {**r, "ms": r["ms"] / PROFILED_STEPS, "calls": r["calls"] // PROFILED_STEPS}
+            for r in kernel_rows(p.key_averages())
+        ]
         by_cat: dict[str, float] = {}
         for row in rows:
             by_cat[row["kind"]] = by_cat.get(row["kind"], 0.0) + row["ms"]
@@ -236,6 +247,7 @@ def anchor_factory(cfg, dry_run: bool):
     official kernels need a GPU), after checking the official module's parameter count at
     these shapes when it is importable."""
     from anchor_lm import AnchorLM, AnchorUnavailable, official_mixer_factory
+
     from m3run.model.mixer import Mamba3Mixer
 
     try:
@@ -273,8 +285,11 @@ def run_anchor(cfg, make_mixer, device, steps: int, warmup: int, peak, impl: str
         if not cfg.train.compile:
             raise
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        print(f"anchor: under torch.compile it failed ({type(e).__name__}: {first}); "
-              "timing it without compilation", flush=True)  # fmt: skip
+        print(
+            f"anchor: under torch.compile it failed ({type(e).__name__}: {first}); "
+            "timing it without compilation",
+            flush=True,
+        )
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
@@ -376,8 +391,14 @@ def main() -> None:
     recipe = DRY_RECIPE if a.dry_run else RECIPE
     data_dir = Path(tempfile.mkdtemp(prefix="bench-data-")) / "data"
     vocab, max_bytes = ("bpe:512", 400_000) if a.dry_run else ("bpe:8192", 6_000_000)
-    prepare_data(["stdlib"], data_dir, tokenizer=vocab, max_bytes=max_bytes,
-                 val_fraction=0.01, progress=False)  # fmt: skip
+    prepare_data(
+        ["stdlib"],
+        data_dir,
+        tokenizer=vocab,
+        max_bytes=max_bytes,
+        val_fraction=0.01,
+        progress=False,
+    )
     if a.dry_run:
         peak = None
         print(f"dry run on CPU | torch {torch.__version__} | recipe {recipe.name}")
@@ -404,12 +425,26 @@ def main() -> None:
         accum = a.accum or (2 if a.dry_run else max(1, 32 // micro))
         scope = "model" if a.compile_scope == "model" else "blocks"
 
-        def ours(resets: bool, scope: str, micro: int = micro, accum: int = accum,
-                 variant: tuple[str, list[str], dict, dict[str, bool]] | None = None,
-                 ) -> dict:  # fmt: skip
+        def ours(
+            resets: bool,
+            scope: str,
+            micro: int = micro,
+            accum: int = accum,
+            variant: tuple[str, list[str], dict, dict[str, bool]] | None = None,
+        ) -> dict:
             name, sets, edits, options = variant or ("", [], {}, {})
-            c = run_config(recipe, micro, accum, compile_, data_dir, backend, a.dry_run,
-                           resets=resets, scope=scope, sets=(*a.sets, *sets))  # fmt: skip
+            c = run_config(
+                recipe,
+                micro,
+                accum,
+                compile_,
+                data_dir,
+                backend,
+                a.dry_run,
+                resets=resets,
+                scope=scope,
+                sets=(*a.sets, *sets),
+            )
             with edited_plan(edits):
                 res = bench_one(c, steps, a.warmup, a.profile, peak, a.trace, name, options)
             if name:
@@ -421,15 +456,19 @@ def main() -> None:
                 print(f"   {text}", flush=True)
             if "gpu_time_breakdown" in res:
                 print("   GPU time:", json.dumps(res["gpu_time_breakdown"]))
-                print(f"   {res['gpu_ms_per_step']:.1f} ms of GPU time a step in a profiled "
-                      f"{res['profiled_step_ms']:.1f} ms ({PROFILED_STEPS} steps back to back, "
-                      "times per step); top kernels:")  # fmt: skip
+                print(
+                    f"   {res['gpu_ms_per_step']:.1f} ms of GPU time a step in a profiled "
+                    f"{res['profiled_step_ms']:.1f} ms ({PROFILED_STEPS} steps back to back, "
+                    "times per step); top kernels:"
+                )
                 for k in res["top_kernels"]:
                     print(f"   {k['ms']:9.3f} ms {k['calls']:5d}× {k['kind']:18} {k['kernel']}")
                 idle = res["gpu_idle"]
-                print(f"   GPU idle {idle['idle_ms']:.1f} ms of the steps' {idle['span_ms']:.1f} "
-                      f"ms span, {idle['gaps_ms']:.1f} ms of it in {idle['gaps']} gaps of 20 µs "
-                      "or more; largest:")  # fmt: skip
+                print(
+                    f"   GPU idle {idle['idle_ms']:.1f} ms of the steps' {idle['span_ms']:.1f} "
+                    f"ms span, {idle['gaps_ms']:.1f} ms of it in {idle['gaps']} gaps of 20 µs "
+                    "or more; largest:"
+                )
                 for g in idle["largest"]:
                     print(f"   {g['us']:9.1f} µs after {g['after']} | before {g['before']}")
             return res
@@ -440,8 +479,10 @@ def main() -> None:
         r = ours(a.resets != "off", scope)
         if a.resets == "both":
             r_off = ours(False, scope)
-            print(f"resets on / off at mb {micro}: step time "
-                  f"{r['step_s'] / r_off['step_s']:.3f}×", flush=True)  # fmt: skip
+            print(
+                f"resets on / off at mb {micro}: step time {r['step_s'] / r_off['step_s']:.3f}×",
+                flush=True,
+            )
         if make_mixer is not None:
             impl = "stand-in" if a.dry_run else "official"
             ratios = []
@@ -460,13 +501,16 @@ def main() -> None:
                 )
                 ratios.append(r["tokens_per_s"] / o["tokens_per_s"])
                 of = f" (round {round_} of {a.rounds})" if a.rounds > 1 else ""
-                print(f"ours / {impl} at mb {micro}{of}: tokens/s {ratios[-1]:.3f}×{mem}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"ours / {impl} at mb {micro}{of}: tokens/s {ratios[-1]:.3f}×{mem}", flush=True
+                )
             if a.rounds > 1:
                 each = " ".join(f"{x:.3f}" for x in ratios)
-                print(f"ours / {impl} at mb {micro} over {a.rounds} rounds: median "
-                      f"{statistics.median(ratios):.3f}×, min {min(ratios):.3f}× ({each})",
-                      flush=True)  # fmt: skip
+                print(
+                    f"ours / {impl} at mb {micro} over {a.rounds} rounds: median "
+                    f"{statistics.median(ratios):.3f}×, min {min(ratios):.3f}× ({each})",
+                    flush=True,
+                )
         # After the anchor: its line matters more than these if the time runs out.
         for variant in variants:
             rv = ours(a.resets != "off", scope, variant=variant)

@@ -59,10 +59,13 @@ class Trace:
         for e in ops:
             op_by_id.setdefault(e["args"].get("External id"), e)
         steps = sorted(
-            (e for e in events
-             if e.get("cat") == "user_annotation" and e["name"].startswith("train_step")),
+            (
+                e
+                for e in events
+                if e.get("cat") == "user_annotation" and e["name"].startswith("train_step")
+            ),
             key=lambda e: e["ts"],
-        )  # fmt: skip
+        )
         return cls(gpu, launches, ops, op_by_id, steps)
 
     def launched_at(self, kernel: dict) -> float | None:
@@ -106,17 +109,21 @@ def report_steps(tr: Trace, n_gaps: int, floor_us: float) -> None:
             late = f"{launched - began:7.1f} µs" if launched is not None else "      ?"
             window = (began, launched if launched is not None else began)
             mine = Counter(
-                e["name"] for e in tr.ops
+                e["name"]
+                for e in tr.ops
                 if e["tid"] == main_tid and window[0] <= e["ts"] < window[1]
-            )  # fmt: skip
+            )
             others = Counter(
-                e["name"] for e in tr.ops
+                e["name"]
+                for e in tr.ops
                 if e["tid"] != main_tid and e["ts"] < window[1] and e["ts"] + e["dur"] > window[0]
-            )  # fmt: skip
+            )
             op = (tr.op_of(k) or {}).get("name", "?")
-            print(f"   {gap:8.1f} µs before {k['name'][:60]} ({op}), launched {late} after the "
-                  f"GPU went idle; main thread meanwhile: {_top(mine)}"
-                  + (f"; other threads: {_top(others)}" if others else ""))  # fmt: skip
+            print(
+                f"   {gap:8.1f} µs before {k['name'][:60]} ({op}), launched {late} after the "
+                f"GPU went idle; main thread meanwhile: {_top(mine)}"
+                + (f"; other threads: {_top(others)}" if others else "")
+            )
 
 
 def _top(counts: Counter, n: int = 5) -> str:
@@ -148,10 +155,14 @@ def report_matmuls(tr: Trace, peak_tflops: float) -> None:
         calls = len(ids)
         total += us / n_steps
         ideal += flops * calls / (peak_tflops * 1e12) * 1e6 / n_steps
-        print(f"   {name:11} {m:6} × {kk:6} → {n:6} | {calls / n_steps:5.0f} | "
-              f"{us / n_steps / 1e3:7.2f} | {flops * calls / (us * 1e-6) / 1e12:6.0f}")  # fmt: skip
-    print(f"matmul kernels {total / 1e3:.1f} ms a step; the same FLOPs at {peak_tflops:g} TFLOP/s "
-          f"{ideal / 1e3:.1f} ms ({ideal / total:.1%})")  # fmt: skip
+        print(
+            f"   {name:11} {m:6} × {kk:6} → {n:6} | {calls / n_steps:5.0f} | "
+            f"{us / n_steps / 1e3:7.2f} | {flops * calls / (us * 1e-6) / 1e12:6.0f}"
+        )
+    print(
+        f"matmul kernels {total / 1e3:.1f} ms a step; the same FLOPs at {peak_tflops:g} TFLOP/s "
+        f"{ideal / 1e3:.1f} ms ({ideal / total:.1%})"
+    )
 
 
 def main() -> None:
@@ -166,8 +177,10 @@ def main() -> None:
     tr = Trace.load(a.trace)
     if not tr.steps:
         raise SystemExit(f"{a.trace} has no train_step annotations: not a bench_train.py trace")
-    print(f"{a.trace.name}: {len(tr.steps)} steps, {len(tr.gpu)} GPU events, "
-          f"{len(tr.ops)} host operators")  # fmt: skip
+    print(
+        f"{a.trace.name}: {len(tr.steps)} steps, {len(tr.gpu)} GPU events, "
+        f"{len(tr.ops)} host operators"
+    )
     if not tr.gpu:
         print("no GPU events (a CPU run): nothing to report on the GPU's time")
         return

@@ -253,10 +253,22 @@ def mamba3_siso(
             if zv is not None:
                 v, z, extra["zv"] = None, None, zv
             return mamba3_siso_triton(
-                q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z,
-                chunk_size=chunk_size, initial_state=initial_state,
-                return_final_state=return_final_state, **extra,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                adt,
+                dt,
+                trap,
+                q_bias,
+                k_bias,
+                angles,
+                d,
+                z,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                return_final_state=return_final_state,
+                **extra,
+            )
         key = f"{v.device.type}:pytorch:{reason}"
         if key not in _auto_logged:
             _auto_logged.add(key)
@@ -268,10 +280,22 @@ def mamba3_siso(
 
 
 def mamba3_siso_recurrent(
-    q, k, v, adt, dt, trap, q_bias, k_bias, angles, d=None, z=None, *,
-    initial_state: State | None = None, return_final_state: bool = False,
+    q,
+    k,
+    v,
+    adt,
+    dt,
+    trap,
+    q_bias,
+    k_bias,
+    angles,
+    d=None,
+    z=None,
+    *,
+    initial_state: State | None = None,
+    return_final_state: bool = False,
     reset: Tensor | None = None,
-):  # fmt: skip
+):
     """The token-by-token ground truth, same contract as :func:`mamba3_siso` (no chunking)."""
     _, _, _, h, _, _, _ = validate(
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, d, z, 1, initial_state, reset

@@ -46,12 +46,16 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         least = {"num_stages": 1, "bv": 0, "hpp": 1, "cpp": 1, "wg": 0, "hb": 1}
-        bad = [f"{k}={getattr(self, k)!r}" for k, low in least.items()
-               if not isinstance(getattr(self, k), int) or getattr(self, k) < low]  # fmt: skip
+        bad = [
+            f"{k}={getattr(self, k)!r}"
+            for k, low in least.items()
+            if not isinstance(getattr(self, k), int) or getattr(self, k) < low
+        ]
         if self.num_warps not in (1, 2, 4, 8, 16):
             bad.append(f"num_warps={self.num_warps!r} (1, 2, 4, 8 or 16)")
-        if self.maxnreg is not None and (not isinstance(self.maxnreg, int)
-                                         or not 24 <= self.maxnreg <= 255):  # fmt: skip
+        if self.maxnreg is not None and (
+            not isinstance(self.maxnreg, int) or not 24 <= self.maxnreg <= 255
+        ):
             bad.append(f"maxnreg={self.maxnreg!r} (None or 24..255)")
         if bad:
             raise ValueError(f"launch configuration with bad fields: {', '.join(bad)}")
@@ -63,8 +67,12 @@ class LaunchConfig:
         return kw
 
     def as_dict(self) -> dict:
-        out = {"num_warps": self.num_warps, "num_stages": self.num_stages,
-               "maxnreg": self.maxnreg, "bv": self.bv}  # fmt: skip
+        out = {
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "maxnreg": self.maxnreg,
+            "bv": self.bv,
+        }
         for key, default in (("hpp", 1), ("cpp", 1), ("wg", 0), ("hb", 1)):  # where not default
             if getattr(self, key) != default:
                 out[key] = getattr(self, key)
@@ -127,8 +135,9 @@ class LaunchHooks:
                 self._ahead_ended(future)
                 log.warning(
                     "the scan kernels' compile ahead still runs after %.0f s: launches compile "
-                    "their kernels themselves from here on", AHEAD_WAIT_S,
-                )  # fmt: skip
+                    "their kernels themselves from here on",
+                    AHEAD_WAIT_S,
+                )
 
     @property
     def waiting(self) -> bool:

@@ -117,9 +117,19 @@ def siso_recurrent(
     ys = []
     for i in range(t):
         y, state = siso_step(
-            q[:, i], k[:, i], v[:, i], adt[..., i], dt[..., i], trap[..., i],
-            q_bias, k_bias, angles[:, i], d, None if z is None else z[:, i], state,
+            q[:, i],
+            k[:, i],
+            v[:, i],
+            adt[..., i],
+            dt[..., i],
+            trap[..., i],
+            q_bias,
+            k_bias,
+            angles[:, i],
+            d,
+            None if z is None else z[:, i],
+            state,
             None if reset is None else reset[:, i],
-        )  # fmt: skip
+        )
         ys.append(y)
     return torch.stack(ys, dim=1), state

@@ -79,7 +79,7 @@ if triton is not None:
         BT: tl.constexpr, BP: tl.constexpr, BV: tl.constexpr, BN2: tl.constexpr,
         BR: tl.constexpr, HAS_Z: tl.constexpr, HAS_DGT: tl.constexpr, HAS_RESET: tl.constexpr,
         DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """Rows i_v·BV.. of dG for one (batch, head), chunks in reverse. See the module
         docstring. ``dy`` is (b, t, h, p) contiguous; ``dg_out`` is (b·h, nc, BP, BN) in the
         dot dtype."""
@@ -128,9 +128,9 @@ if triton is not None:
 
             b_phi0 = tl.load(phi_in + (i_bh * NC + i_c) * BR + o_m)
             b_cos, b_sin, _ = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR,
-                                          DENSE)  # fmt: skip
+                                          DENSE)
             b_qc = rotated_tile(tile_ptr(q, T, N, G * N, r0, BT, 2 * BN2, DENSE), b_qb, b_cos,
-                                b_sin, DT, BT, BN2, BR)  # fmt: skip
+                                b_sin, DT, BT, BN2, BR)
             b_do, _ = gate(dy, z, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z, DENSE)
             b_doA = to_dot(to_dot(b_do, DT).to(tl.float32) * b_eA[:, None], DT)
             b_dG = b_dG * b_eAL + tl.dot(tl.trans(b_doA), b_qc)
@@ -139,7 +139,7 @@ if triton is not None:
     @triton.jit
     def _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th, i_c,
                     i_b, i_h, T, NC, H, S, BT: tl.constexpr, BR: tl.constexpr,
-                    BNC: tl.constexpr):  # fmt: skip
+                    BNC: tl.constexpr):
         """Chunk i_c of head i_h of batch i_b, whose tanh θ̃ is ``b_th`` (BT × BR): the reverse
         cumsum of dΦ (chunk-local, plus the chunk totals ``dphi_c`` of the later chunks and the
         final angle's gradient); chunk 0 stores the start angle's gradient. Then the trapezoid
@@ -165,7 +165,7 @@ if triton is not None:
         for j0 in range(i_c + 1, NC, BNC):
             o_jc = j0 + o_j
             b_c = tl.load(p_c + o_jc[:, None] * BR + o_m[None, :], mask=(o_jc < NC)[:, None],
-                          other=0.0)  # fmt: skip
+                          other=0.0)
             b_after += tl.sum(b_c, axis=0)
 
         p_d = dphi + (i_b * T * H + i_h) * S + o_tc[:, None] * (H * S) + o_m[None, :]
@@ -173,7 +173,7 @@ if triton is not None:
         b_rc = b_after[None, :] + tl.cumsum(b_dphi, axis=0, reverse=True)
         if i_c == 0:
             tl.store(dphi0 + i_bh * S + o_m, tl.sum(tl.where(o_t[:, None] == 0, b_rc, 0.0), 0),
-                     mask=m_s)  # fmt: skip
+                     mask=m_s)
         o_s = i_bh * T
         b_dt = tl.load(dt + o_s + o_tc, mask=m_t, other=0.0)
         b_ddt = PI * tl.sum(tl.where(m_a, b_rc * b_th, 0.0), axis=1)
@@ -193,7 +193,7 @@ if triton is not None:
         dt, trap, angles, dphi, dth, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0,
         T, NC, H, S, HPB, s_ab, s_at, s_ah, s_as,
         BT: tl.constexpr, BR: tl.constexpr, BNC: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """Chunk i_c of a block of HPB heads of one batch in turn (:func:`_angle_head`), their
         θ̃ gradients summed in head order into the block's slot of ``dth`` ((b, t, H/HPB, S)).
         Per-head angles take one head a block (dth is then dphi: the gradient in place of dΦ);
@@ -210,14 +210,14 @@ if triton is not None:
         b_g = tl.zeros([BT, BR], dtype=tl.float32)
         for i_h in range(i_k * HPB, i_k * HPB + HPB):
             b_g += _angle_head(dt, trap, dphi, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, b_th,
-                               i_c, i_b, i_h, T, NC, H, S, BT, BR, BNC)  # fmt: skip
+                               i_c, i_b, i_h, T, NC, H, S, BT, BR, BNC)
         p_o = dth + (i_b * T * HB + i_k) * S + o_tc[:, None] * (HB * S) + o_m[None, :]
         tl.store(p_o, b_g * PI * (1.0 - b_th * b_th), mask=m_a)
 
 
 def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
              dy, dg_t, dphi_t, chunk_size, cfgs: dict[str, LaunchConfig],
-             dzv=None):  # fmt: skip
+             dzv=None):
     """Launch the kernels. Returns the gradients of every input of the forward kernel:
     dq, dk (b, t, g, n) in the dot dtype, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles
     (in the angles' shape: (b, t, 1, s), summed over heads, where they are one set for every
@@ -249,10 +249,10 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
     seg_ = seg if seg is not None else trap  # never read without HAS_RESET
     args = (q, adt, dt, trap, q_bias, angles, phi_in, zz, dy,
             dg_t if dg_t is not None else dg0, seg_, dg_out, dg0,
-            t, nc, h, hpg, p, n, s, *z_strides, *a_strides)  # fmt: skip
+            t, nc, h, hpg, p, n, s, *z_strides, *a_strides)
     flags = dict(BT=BT, BP=BP, BV=bv, BN2=BN2, BR=BR, HAS_Z=z is not None,
                  HAS_DGT=dg_t is not None, HAS_RESET=seg is not None,
-                 DENSE=dense)  # fmt: skip
+                 DENSE=dense)
     launch("bwd_dstate", siso_bwd_dstate_kernel, (nv, b * h), args, flags, cfgs["bwd_dstate"])
 
     # 2. Every chunk's gradients: a program takes a (chunk, batch, head), or under the plan's
@@ -288,12 +288,12 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         dq, dk, dv, dz if dz is not None else dv, dadt, dw, dcur, dd, dqb, dkb, dphi, dphi_c,
         t, nc, h, hpg, p, n, s, v.stride(0), v.stride(1), v.stride(2), *z_strides,
         dv.stride(0), dv.stride(1), *a_strides,
-    )  # fmt: skip
+    )
     cpp = cfgs["bwd_chunk"].cpp
     bv = max(16, min(cfgs["bwd_chunk"].bv or BP, BP))  # p in blocks of bv, as kernel 1
     flags = dict(BT=BT, BP=BP, BN2=BN2, BR=BR, HPP=hpp, CPP=cpp, HAS_D=d is not None,
                  HAS_Z=z is not None, HAS_RESET=seg is not None, BV=bv,
-                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=dense)  # fmt: skip
+                 WG=bool(cfgs["bwd_chunk"].wg), DENSE=dense)
     grid = (triton.cdiv(nc, cpp), b * h // hpp)
     launch("bwd_chunk", siso_bwd_chunk_kernel, grid, args, flags, cfgs["bwd_chunk"])
     del dg_out
@@ -311,11 +311,11 @@ def siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, ph
         hb = max(j for j in range(1, min(cfgs["bwd_angle"].hb, h) + 1) if h % j == 0)
     dangles = torch.empty(b, t, hb, s, **f32) if shared else dphi
     args = (dt, trap, angles, dphi, dangles, dphi_c, dphi_t, dw, dcur, ddt, dtrap, dphi0, t, nc,
-            h, s, h // hb, *a_strides)  # fmt: skip
+            h, s, h // hb, *a_strides)
     flags = dict(BT=BT, BR=BR, BNC=min(64, triton.next_power_of_2(nc)))
     launch("bwd_angle", siso_bwd_angle_kernel, (nc, b * hb), args, flags, cfgs["bwd_angle"])
     if shared and hb > 1:  # the blocks' sums added in a fixed order (no atomics): deterministic
         dangles = dangles.sum(2, keepdim=True)
     dq_bias, dk_bias, dd_h = param_sums(dqb, dkb, dd if d is not None else None)
     return (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd_h, dphi0,
-            dg0)  # fmt: skip
+            dg0)

@@ -52,7 +52,7 @@ if triton is not None:
 
     @triton.jit
     def rotated_tile(p_x, b_bias, b_cos, b_sin, DT: tl.constexpr, BT: tl.constexpr,
-                     BN2: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                     BN2: tl.constexpr, BR: tl.constexpr):
         """R(Φ)(x + bias) of a loaded (BT × 2·BN2) tile, its first BR pairs turned, as a dot
         operand of dtype DT: the same operations, in the same order, as the forward's rotation,
         so the same values; pinned, so every use of the tile (the score and state dots, the
@@ -62,7 +62,7 @@ if triton is not None:
 
     @triton.jit
     def _rotate_back(b_g, b_r, b_cos, b_sin, BT: tl.constexpr, BN2: tl.constexpr,
-                     BR: tl.constexpr):  # fmt: skip
+                     BR: tl.constexpr):
         """For the gradient ``b_g`` (fp32, BT × 2·BN2) of a rotated tile ā = ``b_r`` (dot
         dtype), in natural column order: Rᵀ b_g (the first BR pairs turned back, the rest as
         they are) and the angle gradient of each of those pairs, ā_E g_O − ā_O g_E."""
@@ -81,7 +81,7 @@ if triton is not None:
 
     @triton.jit
     def gate(dy, z, s_yt, s_zt, T, P, r0, BT: tl.constexpr, BV: tl.constexpr,
-              HAS_Z: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+              HAS_Z: tl.constexpr, DENSE: tl.constexpr):
         """For the (BT × BV) tiles at row r0 of dy and z (pointers at the tiles' first column, P
         columns from there), fp32: do = dy ⊙ silu(z), the gradient of the pre-gate output, and
         dy ⊙ silu'(z), which times the pre-gate output is dz (without z: dy, and dy again)."""
@@ -95,7 +95,7 @@ if triton is not None:
 
     @triton.jit
     def _decays(adt, dt, trap, seg, o_s, o_tc, m_t, i_b, T, NC, BT: tl.constexpr,
-                HAS_RESET: tl.constexpr):  # fmt: skip
+                HAS_RESET: tl.constexpr):
         """One chunk's per-token scalars (``o_s`` offsets the (batch, head) row; ``o_tc``, ``m_t``
         the chunk's positions and their mask, :func:`_offsets`'): Δ, λΔ, w, the
         cumulative decay A and its last value A_L (log2), exp(A), exp(A_L − A), exp(A_L − A)·w,
@@ -105,7 +105,7 @@ if triton is not None:
         of spills.)"""
         o_t = tl.arange(0, BT)
         b_dt, b_cur, b_w, b_A2, b_AL2 = chunk_scalars(adt + o_s, dt + o_s, trap + o_s, T,
-                                                      o_tc, m_t, o_t, BT)  # fmt: skip
+                                                      o_tc, m_t, o_t, BT)
         b_eA = tl.exp2(b_A2)
         b_eL = tl.exp2(b_AL2 - b_A2)
         m_low = o_t[:, None] > o_t[None, :]
@@ -116,12 +116,12 @@ if triton is not None:
             b_eL = tl.where(m_out, b_eL, 0.0)
             m_low = m_low & m_same
         return (b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_eL * b_w, m_low,
-                o_t[:, None] == o_t[None, :], keep)  # fmt: skip
+                o_t[:, None] == o_t[None, :], keep)
 
     @triton.jit
     def _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc, m_t, i_c, i_b, i_h, T,
                     NC, H, HPG, N, S, s_ab, s_at, s_ah, s_as, DT: tl.constexpr, BT: tl.constexpr,
-                    BN2: tl.constexpr, BR: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+                    BN2: tl.constexpr, BR: tl.constexpr, DENSE: tl.constexpr):
         """cos Φ, sin Φ (of the BR rotated pairs) of one chunk of one head, and its q̄, k̄ (dot
         dtype DT)."""
         G = H // HPG
@@ -162,7 +162,7 @@ if triton is not None:
     @triton.jit
     def _rotated_back_out(b_dr, b_r, b_cos, b_sin, acc, out, bias, o_b, T, N, row_stride, r0,
                           BT: tl.constexpr, BN2: tl.constexpr, BR: tl.constexpr,
-                          HPP: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+                          HPP: tl.constexpr, DENSE: tl.constexpr):
         """The gradient ``b_dr`` (fp32) of the rotated tile ā = ``b_r`` rotated back: stored
         (HPP = 1) as the tile at row r0 of ``out`` (T × N, rows ``row_stride`` apart; its
         pointers formed here, at the store, not held before) or added to ``acc``, and its column
@@ -182,7 +182,7 @@ if triton is not None:
 
     @triton.jit
     def _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT: tl.constexpr, BP: tl.constexpr,
-                 BN2: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+                 BN2: tl.constexpr, DENSE: tl.constexpr):
         """Where chunk i_c of head i_h of batch i_b lies: its token positions and their mask, its
         first row, and the offsets of its (batch, head) row of the per-token scalars, of dy
         ((b, t, h, p) contiguous; dv and dz, which may be the halves of one tensor, take their
@@ -192,11 +192,11 @@ if triton is not None:
         o_tc = i_c * BT + tl.arange(0, BT)
         return (o_tc, (o_tc < T) | DENSE, i_c * BT, i_bh * T, (i_b * T * H + i_h) * P,
                 (i_b * T * H + i_h) * N, ((i_b * NC + i_c) * H + i_h) * N,
-                (i_bh * NC + i_c) * BP * 2 * BN2)  # fmt: skip
+                (i_bh * NC + i_c) * BP * 2 * BN2)
 
     @triton.jit
     def _angle_grads(b_dphiq, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S,
-                     BR: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+                     BR: tl.constexpr, DENSE: tl.constexpr):
         """dΦ per token (its q and k terms summed) of the chunk's tokens ``o_tc`` (masked by
         ``m_t``) of head i_h of batch i_b, stored in ``dphi`` ((b, t, h, S)), and its chunk sum
         in ``dphi_c`` ((b·h, nc, BR))."""
@@ -209,7 +209,7 @@ if triton is not None:
 
     @triton.jit
     def _decay_grads(b_dA, b_dw, b_xu, b_GG, b_AL2, keep, b_eL, b_ew, p_dadt, p_dw, m_t,
-                     BT: tl.constexpr, HAS_RESET: tl.constexpr):  # fmt: skip
+                     BT: tl.constexpr, HAS_RESET: tl.constexpr):
         """The leaving state's terms of the decay gradient, ∂/∂A_L = exp(A_L)·<dG_out, G_in>
         (``b_GG``; no decay when the chunk has a reset) + Σ_j exp(A_L − A_j) w_j x_jᵀ dG k̄_j,
         and −∂/∂A_j; the chunk-local reverse cumsum of ∂L/∂A stored at ``p_dadt``, and ∂L/∂w at
@@ -234,14 +234,14 @@ if triton is not None:
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, WG: tl.constexpr,
         DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """Chunk i_c of head i_h of batch i_b: every gradient written, but with HPP > 1 dq and
         dk, which are added to the (BT × 2·BN2, fp32) ``acc_q``, ``acc_k`` and returned. With
         HPP = 1 each is stored as soon as it is formed, so it holds no registers after. The gated
         ``do`` and the gate's slope are pinned (:func:`pin`): left to the compiler, the gate was
         recomputed from dy and z in each layout ``do`` is used in, for every warp."""
         o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
-                                                             BP, BN2, DENSE)  # fmt: skip
+                                                             BP, BN2, DENSE)
         b_dt, b_cur, b_w, b_A2, b_AL2, b_eA, b_eL, b_ew, m_low, m_diag, keep = _decays(
             adt, dt, trap, seg, o_s, o_tc, m_t, i_b, T, NC, BT, HAS_RESET
         )
@@ -250,10 +250,10 @@ if triton is not None:
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
                                                s_at, s_ah, s_as, DT, BT, BN2, BR,
-                                               DENSE)  # fmt: skip
+                                               DENSE)
         o_o = i_b * s_ob + i_h * P  # dv, dz
         b_do, b_gz = gate(dy + o_p, z + i_b * s_zb + i_h * s_zh, H * P, s_zt, T, P, r0, BT, BP,
-                          HAS_Z, DENSE)  # fmt: skip
+                          HAS_Z, DENSE)
         if HAS_Z:
             b_do, b_gz = pin(b_do), pin(b_gz)
         b_doc = to_dot(b_do, DT)
@@ -264,7 +264,7 @@ if triton is not None:
         b_Mc = to_dot(b_S * b_Dw, DT)
         b_dA, b_dw, b_dSc = _score_grads(b_S, tl.dot(b_doc, tl.trans(b_x)), b_Dw, b_w, m_low,
                                          m_diag, dd + (i_b * NC + i_c) * H + i_h,
-                                         dcur + o_s + o_tc, m_t, DT)  # fmt: skip
+                                         dcur + o_s + o_tc, m_t, DT)
 
         # The entering state G_in: the inter-chunk output exp(A_i)·G_in q̄_i (its decay
         # gradient and, with z, the pre-gate output) and dq̄ = dS k̄ + exp(A) ⊙ do G_in,
@@ -281,7 +281,7 @@ if triton is not None:
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP, DENSE,
-        )  # fmt: skip
+        )
 
         # The leaving state's gradient dG_out: dx = Mᵀ do + exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do,
         # dk̄ = dSᵀ q̄ + exp(A_L − A) w ⊙ (x dG), rotated back like dq̄.
@@ -296,17 +296,17 @@ if triton is not None:
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP, DENSE,
-        )  # fmt: skip
+        )
 
         _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR,
-                     DENSE)  # fmt: skip
+                     DENSE)
         # <dG_out, G_in> for ∂/∂A_L: both states are read again here (cache hits) rather than
         # held.
         b_GG = load_dense(g_in + o_gc, 0, BP, 2 * BN2).to(tl.float32) * load_dense(
             dg_out + o_gc, 0, BP, 2 * BN2
         ).to(tl.float32)
         _decay_grads(b_dA, b_dw, b_xu, tl.sum(tl.sum(b_GG, axis=1), axis=0), b_AL2, keep, b_eL,
-                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
+                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)
         return acc_q, acc_k
 
     @triton.jit
@@ -319,7 +319,7 @@ if triton is not None:
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
         DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """:func:`_chunk_head` with p in blocks of BV columns (the plan's ``bv``), in three
         passes over them: ``dM = do xᵀ`` summed over the blocks; then, block by block, what the
         entering state gives (dz, the ``do G_in`` term of dq̄, the inter-chunk decay gradient);
@@ -327,7 +327,7 @@ if triton is not None:
         The blocks of x, dy and z are loaded and gated again in each pass (cache hits), so no
         (BT × BP) tile and no (BP × N) state is held whole: fewer registers than one pass."""
         o_tc, m_t, r0, o_s, o_p, o_out, o_b, o_gc = _offsets(i_c, i_b, i_h, T, NC, H, P, N, BT,
-                                                             BP, BN2, DENSE)  # fmt: skip
+                                                             BP, BN2, DENSE)
         p_v = v + i_b * s_vb + i_h * s_vh
         p_z = z + i_b * s_zb + i_h * s_zh
         o_o = i_b * s_ob + i_h * P  # dv, dz
@@ -338,21 +338,21 @@ if triton is not None:
         b_cos, b_sin, b_qc, b_kc = _rotated_qk(q, k, q_bias, k_bias, angles, phi_in, b_dt, o_tc,
                                                m_t, i_c, i_b, i_h, T, NC, H, HPG, N, S, s_ab,
                                                s_at, s_ah, s_as, DT, BT, BN2, BR,
-                                               DENSE)  # fmt: skip
+                                               DENSE)
 
         # Pass 1: dM = do xᵀ, over the blocks of p.
         b_dM = tl.zeros([BT, BT], dtype=tl.float32)
         for v0 in range(0, BP, BV):
             b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
             b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z,
-                        DENSE)[0]  # fmt: skip
+                        DENSE)[0]
             b_dM += tl.dot(to_dot(b_do, DT), tl.trans(b_x))
         b_Dw = decay_weights(b_A2, b_w, b_cur, m_low, m_diag)
         b_S = tl.dot(b_qc, tl.trans(b_kc))
         b_Mc = to_dot(b_S * b_Dw, DT)
         b_dA, b_dw, b_dSc = _score_grads(b_S, b_dM, b_Dw, b_w, m_low, m_diag,
                                          dd + (i_b * NC + i_c) * H + i_h, dcur + o_s + o_tc,
-                                         m_t, DT)  # fmt: skip
+                                         m_t, DT)
 
         # Pass 2: the entering state G_in, block by block: the inter-chunk output (its decay
         # gradient and, with z, the pre-gate output) and dq̄'s exp(A) ⊙ do G_in.
@@ -360,7 +360,7 @@ if triton is not None:
         for v0 in range(0, BP, BV):
             b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
             b_do, b_gz = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV,
-                              HAS_Z, DENSE)  # fmt: skip
+                              HAS_Z, DENSE)
             if HAS_Z:
                 b_do, b_gz = pin(b_do), pin(b_gz)
             b_doc = to_dot(b_do, DT)
@@ -377,7 +377,7 @@ if triton is not None:
         acc_q, b_dphi = _rotated_back_out(
             b_dqr, b_qc, b_cos, b_sin, acc_q, dq + o_out, dqb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP, DENSE,
-        )  # fmt: skip
+        )
 
         # Pass 3: the leaving state's gradient dG_out, block by block: dx = Mᵀ do +
         # exp(A_L − A) w ⊙ (k̄ dGᵀ) + D do, dk̄'s exp(A_L − A) w ⊙ (x dG), and <dG_out, G_in>.
@@ -387,7 +387,7 @@ if triton is not None:
         for v0 in range(0, BP, BV):
             b_x = load_tile(tile_ptr(p_v + v0, T, P - v0, s_vt, r0, BT, BV, DENSE))
             b_do = gate(dy + o_p + v0, p_z + v0, H * P, s_zt, T, P - v0, r0, BT, BV, HAS_Z,
-                        DENSE)[0]  # fmt: skip
+                        DENSE)[0]
             if HAS_Z:
                 b_do = pin(b_do)
             b_doc = to_dot(b_do, DT)
@@ -400,16 +400,16 @@ if triton is not None:
             store_tile(tile_ptr(dv + o_o + v0, T, P - v0, s_ot, r0, BT, BV, DENSE), b_dx)
             b_xdG += tl.dot(b_x, b_dGc)
             b_GG += tl.sum(load_dense(g_in + o_gc, v0, BV, 2 * BN2).to(tl.float32)
-                           * b_dGc.to(tl.float32), axis=1)  # fmt: skip
+                           * b_dGc.to(tl.float32), axis=1)
         b_dkr = tl.dot(tl.trans(b_dSc), b_qc) + b_ew[:, None] * b_xdG
         acc_k, b_dphik = _rotated_back_out(
             b_dkr, b_kc, b_cos, b_sin, acc_k, dk + o_out, dkb, o_b, T, N, H * N, r0, BT,
             BN2, BR, HPP, DENSE,
-        )  # fmt: skip
+        )
         _angle_grads(b_dphi, b_dphik, dphi, dphi_c, o_tc, m_t, i_c, i_b, i_h, T, NC, H, S, BR,
-                     DENSE)  # fmt: skip
+                     DENSE)
         _decay_grads(b_dA, b_dw, b_xu, tl.sum(b_GG, axis=0), b_AL2, keep, b_eL,
-                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)  # fmt: skip
+                     b_ew, dadt + o_s + o_tc, dw + o_s + o_tc, m_t, BT, HAS_RESET)
         return acc_q, acc_k
 
     @triton.jit
@@ -422,7 +422,7 @@ if triton is not None:
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
         WG: tl.constexpr, DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """One chunk of one head: in one pass (BV = BP) or over blocks of p."""
         if BV == BP:
             acc_q, acc_k = _chunk_head(
@@ -431,7 +431,7 @@ if triton is not None:
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
                 s_ot, s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, WG, DENSE,
-            )  # fmt: skip
+            )
         else:
             acc_q, acc_k = _chunk_head_pb(
                 q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi_in, g_in, dg_out, dy,
@@ -439,7 +439,7 @@ if triton is not None:
                 i_c, i_b, i_h, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob,
                 s_ot, s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, DENSE,
-            )  # fmt: skip
+            )
         return acc_q, acc_k
 
     @triton.jit
@@ -452,7 +452,7 @@ if triton is not None:
         HPP: tl.constexpr,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr, BV: tl.constexpr,
         WG: tl.constexpr, DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """Chunk i_c of the HPP heads of block i_blk of batch i_b: their gradients, dq and dk
         summed over the block."""
         if HPP == 1:
@@ -462,7 +462,7 @@ if triton is not None:
                 i_b, i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
                 s_ab,
                 s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG, DENSE,
-            )  # fmt: skip
+            )
         else:
             NB = H // HPP
             b_dq = tl.zeros([BT, 2 * BN2], dtype=tl.float32)
@@ -475,7 +475,7 @@ if triton is not None:
                     s_zb, s_zt, s_zh, s_ob, s_ot, s_ab, s_at, s_ah, s_as, BT, BP, BN2, BR, HPP,
                     HAS_D, HAS_Z,
                     HAS_RESET, BV, WG, DENSE,
-                )  # fmt: skip
+                )
             o_out = (i_b * T * NB + i_blk) * N
             r0 = i_c * BT
             store_tile(tile_ptr(dq + o_out, T, N, NB * N, r0, BT, 2 * BN2, DENSE), b_dq)
@@ -491,7 +491,7 @@ if triton is not None:
         HPP: tl.constexpr,
         CPP: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_RESET: tl.constexpr,
         BV: tl.constexpr, WG: tl.constexpr, DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """CPP consecutive chunks, in turn, of HPP consecutive heads of one group of one batch
         (grid: chunk blocks × batch · h/HPP). See the module docstring. dq, dk are
         (b, t, h/HPP, n) in the dot dtype: each program's heads summed in fp32 (with HPP = 1,
@@ -508,7 +508,7 @@ if triton is not None:
                 i_blk, T, NC, H, HPG, P, N, S, s_vb, s_vt, s_vh, s_zb, s_zt, s_zh, s_ob, s_ot,
                 s_ab, s_at,
                 s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG, DENSE,
-            )  # fmt: skip
+            )
         else:
             for i_c in range(i_cb * CPP, tl.minimum(NC, i_cb * CPP + CPP)):
                 _chunk_block(
@@ -518,4 +518,4 @@ if triton is not None:
                     s_ot, s_ab,
                     s_at, s_ah, s_as, BT, BP, BN2, BR, HPP, HAS_D, HAS_Z, HAS_RESET, BV, WG,
                     DENSE,
-                )  # fmt: skip
+                )

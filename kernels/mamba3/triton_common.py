@@ -216,7 +216,7 @@ if triton is not None:
 
     @triton.jit
     def chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR: tl.constexpr,
-                    DENSE: tl.constexpr):  # fmt: skip
+                    DENSE: tl.constexpr):
         """cos Φ, sin Φ for the tokens ``o_tc`` (BT × BR; Φ = 0 past the S angles): the chunk's
         entering angle plus the chunk-local cumsum of Δ·π·tanh(θ̃); and the chunk's angle sum.
         ``angles`` points at the (batch, head) row. DENSE: S = BR (:meth:`Tiles.dense`)."""
@@ -257,14 +257,14 @@ if triton is not None:
 
     @triton.jit
     def tile_ptr(base, rows, cols, row_stride, r0, BR: tl.constexpr, BC: tl.constexpr,
-                 DENSE: tl.constexpr):  # fmt: skip
+                 DENSE: tl.constexpr):
         """Pointers to the (BR × BC) tile at row r0 of a (rows × cols) row-major matrix with
         unit column stride, and the mask of its elements inside the matrix (DENSE: the tile is
         inside it, :meth:`Tiles.dense`; the mask folds to true and the access goes unmasked)."""
         o_r = r0 + tl.arange(0, BR)
         o_c = tl.arange(0, BC)
         return (base + o_r[:, None] * row_stride + o_c[None, :],
-                ((o_r < rows) | DENSE)[:, None] & ((o_c < cols) | DENSE)[None, :])  # fmt: skip
+                ((o_r < rows) | DENSE)[:, None] & ((o_c < cols) | DENSE)[None, :])
 
     @triton.jit
     def load_tile(ptr):

@@ -37,7 +37,7 @@ if triton is not None:
 
     @triton.jit
     def _rotated(x, o_tc, m_t, m_n, row_stride, b_bias, b_cos, b_sin, BN2: tl.constexpr,
-                 BR: tl.constexpr):  # fmt: skip
+                 BR: tl.constexpr):
         """R(Φ)(x + bias) for rows ``o_tc`` (masked by ``m_t``, columns by ``m_n``), fp32,
         columns in natural order (pairs adjacent): rows are read whole (vectorised), their first
         BR pairs rotated (:func:`rotate`)."""
@@ -61,7 +61,7 @@ if triton is not None:
         BR: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr,
         SAVE: tl.constexpr,
         HAS_RESET: tl.constexpr, WG: tl.constexpr, DENSE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         i_b, i_h = i_bh // H, i_bh % H
         i_g = i_h // HPG
@@ -124,7 +124,7 @@ if triton is not None:
 
             # Φ = carried offset + chunk-local cumsum of Δ·π·tanh(θ̃).
             b_cos, b_sin, b_dsum = chunk_phase(angles, s_at, s_as, b_dt, b_phi0, o_tc, m_t, S, BR,
-                                               DENSE)  # fmt: skip
+                                               DENSE)
             if SAVE:  # noqa: SIM102 (SAVE is a compile-time flag, i_v a run-time value)
                 if i_v == 0:
                     tl.store(phi_in + (i_bh.to(tl.int64) * NC + i_c) * BR + o_m, b_phi0)
@@ -175,7 +175,7 @@ if triton is not None:
 
 
 def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size,
-             save, cfg: LaunchConfig):  # fmt: skip
+             save, cfg: LaunchConfig):
     """Launch the forward (``seg``: the resets as triton_siso.segment_ids gives them, or None).
     Returns y, the final angle Φ_T and state G_T (fp32), and for the backward (``save``) the
     state entering every chunk (b·h, nc, BP, BN) in v's dtype and the angle entering every
@@ -206,9 +206,9 @@ def siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg
         t, nc, h, h // g, p, n, s,
         v.stride(0), v.stride(1), v.stride(2), zz.stride(0), zz.stride(1), zz.stride(2),
         angles.stride(0), angles.stride(1), angles.stride(2), angles.stride(3),
-    )  # fmt: skip
+    )
     flags = dict(BT=BT, BP=BP, BV=BV, BN2=BN2, BR=BR, HAS_D=d is not None, HAS_Z=z is not None,
                  HAS_H0=g0 is not None, SAVE=save, HAS_RESET=seg is not None,
-                 WG=bool(cfg.wg), DENSE=tiles.dense(t, p, n, s))  # fmt: skip
+                 WG=bool(cfg.wg), DENSE=tiles.dense(t, p, n, s))
     launch("fwd", siso_fwd_kernel, (triton.cdiv(BP, BV), b * h), args, flags, cfg)
     return y, phi_t, g_t, g_in, phi_in

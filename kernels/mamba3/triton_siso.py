@@ -85,20 +85,20 @@ def siso_fwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
                 trap: Tensor, q_bias: Tensor, k_bias: Tensor, angles: Tensor, d: Tensor | None,
                 phi0: Tensor | None, g0: Tensor | None, seg: Tensor | None, chunk_size: int,
                 save: bool,
-                packed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                packed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y, Φ_T, G_T and (``save``; else empty) the per-chunk entering state and angle."""
     return _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg,
-                     chunk_size, save, packed)  # fmt: skip
+                     chunk_size, save, packed)
 
 
 def _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size,
-              save, packed):  # fmt: skip
+              save, packed):
     v, z = _unpack(v, z, packed)
     plan = plan_for(_plan_device(v), v.shape[3], q.shape[3], chunk_size, v.dtype)
     y, phi_t, g_t, g_in, phi_in = siso_fwd(
         q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, plan.chunk,
         save, plan.configs["fwd"],
-    )  # fmt: skip
+    )
     if not save:
         g_in, phi_in = v.new_empty(0), phi_t.new_empty(0)
     return y, phi_t, g_t, g_in, phi_in
@@ -106,10 +106,10 @@ def _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, se
 
 @siso_fwd_op.register_fake
 def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk_size, save,
-      packed):  # fmt: skip
+      packed):
     if _recording_device() is not None:
         return _siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg,
-                         chunk_size, save, packed)  # fmt: skip
+                         chunk_size, save, packed)
     v, z = _unpack(v, z, packed)
     b, t, h, p = v.shape
     n, s = q.shape[3], angles.shape[3]
@@ -121,7 +121,7 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0, seg, chunk
     if not save:
         return y, phi_t, g_t, v.new_empty(0), phi_t.new_empty(0)
     return (y, phi_t, g_t, v.new_empty(b * h, nc, tiles.BP, tiles.BN),
-            torch.empty(b * h, nc, tiles.rot_pairs(s), **f32))  # fmt: skip
+            torch.empty(b * h, nc, tiles.rot_pairs(s), **f32))
 
 
 @torch.library.custom_op("m3run::siso_bwd", mutates_args=())
@@ -129,20 +129,20 @@ def siso_bwd_op(q: Tensor, k: Tensor, v: Tensor, z: Tensor | None, adt: Tensor, 
                 trap: Tensor, q_bias: Tensor, k_bias: Tensor, angles: Tensor, d: Tensor | None,
                 seg: Tensor | None, g_in: Tensor, phi_in: Tensor, dy: Tensor,
                 dg_t: Tensor | None, dphi_t: Tensor | None, chunk_size: int,
-                packed: bool) -> list[Tensor]:  # fmt: skip
+                packed: bool) -> list[Tensor]:
     """The gradient of every input of :func:`siso_fwd_op` (dz, dd empty without z, d; with
     ``packed``, the packed gradient of z and v in dv's place and dz empty)."""
     return _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-                     dy, dg_t, dphi_t, chunk_size, packed)  # fmt: skip
+                     dy, dg_t, dphi_t, chunk_size, packed)
 
 
 def _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
-              dg_t, dphi_t, chunk_size, packed):  # fmt: skip
+              dg_t, dphi_t, chunk_size, packed):
     dzv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if packed else None
     v, z = _unpack(v, z, packed)
     plan = plan_for(_plan_device(v), v.shape[3], q.shape[3], chunk_size, v.dtype)
     grads = list(siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in,
-                          phi_in, dy, dg_t, dphi_t, plan.chunk, plan.configs, dzv))  # fmt: skip
+                          phi_in, dy, dg_t, dphi_t, plan.chunk, plan.configs, dzv))
     if packed:
         grads[2:4] = [dzv, None]
     return [g if g is not None else v.new_empty(0) for g in grads]
@@ -150,10 +150,10 @@ def _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, p
 
 @siso_bwd_op.register_fake
 def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy, dg_t, dphi_t,
-      chunk_size, packed):  # fmt: skip
+      chunk_size, packed):
     if _recording_device() is not None:
         return _siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-                         dy, dg_t, dphi_t, chunk_size, packed)  # fmt: skip
+                         dy, dg_t, dphi_t, chunk_size, packed)
     dv = v.new_empty(v.shape)
     v, z = _unpack(v, z, packed)
     b, t, g, n = q.shape
@@ -176,10 +176,10 @@ def _(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, d
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, _phi0, g0, seg, chunk_size,
-     _save, packed) = inputs  # fmt: skip
+     _save, packed) = inputs
     _, _, _, g_in, phi_in = output
     ctx.save_for_backward(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
-                          phi_in)  # fmt: skip
+                          phi_in)
     ctx.chunk_size = chunk_size
     ctx.packed = packed
     # The saved per-chunk states and angles are outputs only so that they can be saved: no
@@ -191,7 +191,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
     (q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, g0, seg, g_in,
-     phi_in) = ctx.saved_tensors  # fmt: skip
+     phi_in) = ctx.saved_tensors
     dy = torch.zeros_like(_unpack(v, z, ctx.packed)[0]) if dy is None else dy.contiguous()
     # A final angle or state without a gradient (training: neither is used) stays None: the
     # kernels read no zeros for it.
@@ -201,7 +201,7 @@ def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
         dg_t = dg_t.float().contiguous()
     (dq, dk, dv, dz, dadt, ddt, dtrap, dq_bias, dk_bias, dangles, dd, dphi0,
      dg0) = siso_bwd_op(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in,
-                        dy, dg_t, dphi_t, ctx.chunk_size, ctx.packed)  # fmt: skip
+                        dy, dg_t, dphi_t, ctx.chunk_size, ctx.packed)
     return (
         dq.to(q.dtype), dk.to(k.dtype), dv, None if z is None else dz, dadt, ddt, dtrap,
         dq_bias.to(q_bias.dtype), dk_bias.to(k_bias.dtype), dangles,
@@ -212,7 +212,7 @@ def _backward(ctx, dy, dphi_t, dg_t, _dg_in, _dphi_in):
         None,
         None,
         None,
-    )  # fmt: skip
+    )
 
 
 siso_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -280,7 +280,7 @@ def mamba3_siso_triton(
     seg = None
     if reset is not None:
         seg = segment_ids(reset, plan_for(_plan_device(v), v.shape[3], n, chunk_size,
-                                          v.dtype).chunk)  # fmt: skip
+                                          v.dtype).chunk)
     inputs = (q, k, zv if packed else v, z, adt, dt, trap, q_bias, k_bias, angles, d, phi0, g0)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     y, phi_t, g_t, _, _ = siso_fwd_op(*inputs, seg, chunk_size, save, packed)

@@ -25,7 +25,7 @@ if triton is not None:
 
     @triton.jit
     def siso_bwd_head_sum_kernel(dq, dk, sq, sk, pq, pk, R, G, HPG, N, BR: tl.constexpr,
-                                 BN: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+                                 BN: tl.constexpr, PARTS: tl.constexpr):
         """Rows i_r·BR.. of group i_g's per-head partials ((R, G·HPG, N); program_id(1) is
         2·i_g for dq, 2·i_g + 1 for dk) summed over its HPG heads, in order, in fp32, into (R,
         G, N) of the output's dtype. With PARTS, each head's column sums over these rows too,
@@ -53,7 +53,7 @@ if triton is not None:
 
     @triton.jit
     def siso_bwd_param_sum_kernel(dqb, dkb, dd, sqb, skb, sd, RB, RD, C, H, BR: tl.constexpr,
-                                  BC: tl.constexpr):  # fmt: skip
+                                  BC: tl.constexpr):
         """Columns i_c·BC.. of per-row-block partials summed over their rows, in row blocks in
         order, in fp32: the q and k bias gradients, (RB, C = h·n), for program_id(1) = 0 and 1,
         and the d gradient, (RD, H), for 2."""
@@ -123,7 +123,7 @@ def param_sums(dqb, dkb, dd):
     sd = torch.empty(h, **f32) if dd is not None else None
     grid = (triton.cdiv(cols, PARAM_SUM_COLS), 3 if dd is not None else 2)
     args = (dqb, dkb, dd if dd is not None else dqb, sqb, skb, sd if sd is not None else sqb,
-            rb, rd, cols, h)  # fmt: skip
+            rb, rd, cols, h)
     flags = dict(BR=max(16, min(256, triton.next_power_of_2(max(rb, rd)))), BC=PARAM_SUM_COLS)
     launch("bwd_param_sum", siso_bwd_param_sum_kernel, grid, args, flags, PARAM_SUM)
     return sqb, skb, sd

@@ -200,8 +200,7 @@ def _record_verified(path: Path, meta: dict, hashed: dict[str, list[int]]) -> No
         now = {n: _identity((path / n).stat()) for n in DATA_FILES}
         if any(now[n] != ident for n, ident in hashed.items()):
             return
-        files = {n: {"sha256": meta["files"][n]["sha256"], "identity": now[n]}
-                 for n in DATA_FILES}  # fmt: skip
+        files = {n: {"sha256": meta["files"][n]["sha256"], "identity": now[n]} for n in DATA_FILES}
         atomic_write_json(path / VERIFIED_FILE, {"files": files, "time": time.time()})
     except OSError as e:
         log.debug("no %s for %s: %s", VERIFIED_FILE, path, e)

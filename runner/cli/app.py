@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner import __version__
 
 app = typer.Typer(

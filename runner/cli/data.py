@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import app, fail
 
 
@@ -105,11 +106,20 @@ def prepare_data(
     sep = {"blank": "blank", "none": None}.get(separator, separator)
     try:
         summary = prepare(
-            inputs or [], out, tokenizer=tokenizer, val_fraction=val_fraction,
-            text_field=text_field, workers=workers, max_bytes=max_bytes, progress=True,
-            inputs_file=inputs_file, separator=sep, val_split=val_split, skip_bad=skip_bad,
+            inputs or [],
+            out,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            text_field=text_field,
+            workers=workers,
+            max_bytes=max_bytes,
+            progress=True,
+            inputs_file=inputs_file,
+            separator=sep,
+            val_split=val_split,
+            skip_bad=skip_bad,
             progress_interval_s=progress_interval,
-        )  # fmt: skip
+        )
     except DataError as e:
         raise fail(f"m3run prepare-data: {e}", 78) from None
     for item in summary["inputs"]:

@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import app, run_dir_of
 
 

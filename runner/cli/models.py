@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import RUN_HELP, app, fail, run_dir_of
 
 STEP_HELP = "Checkpoint step (default: the newest complete one)."

@@ -53,8 +53,15 @@ def format_runs(rows: list[dict]) -> str:
             if r["updated_at"]
             else "-"
         )
-        table.append((Path(r["run_dir"]).name, str(r["phase"] or "-"), step,
-                      _fmt_num(r["loss"], ".4f"), updated))  # fmt: skip
+        table.append(
+            (
+                Path(r["run_dir"]).name,
+                str(r["phase"] or "-"),
+                step,
+                _fmt_num(r["loss"], ".4f"),
+                updated,
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(4)]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)) + "  " + row[4]

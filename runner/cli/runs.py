@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import RUN_HELP, Overrides, app, fail, run_dir_of
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import Overrides, app, fail
 from m3run.runner.protocol import EXIT_CONFIG
 
@@ -47,6 +48,7 @@ def tune_scan(
     """Tune the scan kernels' launch plans for CONFIG's shapes on this GPU (a few minutes; run it
     on an idle GPU, once per machine and m3run version)."""
     import torch
+
     from m3run.kernels.mamba3 import BackendUnavailableError, resolve_backend
     from m3run.runner.config import ConfigError, load_config
 
@@ -79,6 +81,7 @@ def tune_scan(
 
 def _tune(cfg, device, chunks: list[int] | None, plans: Path | None) -> None:
     import torch
+
     from m3run.kernels.mamba3 import plans as lp
     from m3run.kernels.mamba3 import triton_common as tc
     from m3run.kernels.mamba3.tools import tuning
@@ -104,8 +107,9 @@ def _tune(cfg, device, chunks: list[int] | None, plans: Path | None) -> None:
     typer.echo(f"tuning the scan on {name} ({arch}) at {shape.describe()}, chunks {chunks}")
     untuned = lp.untuned_plan(m.chunk_size)
     try:
-        tuned, path = tuning.tune_and_store(shape, device, chunks=chunks, baseline=untuned,
-                                            log=typer.echo, path=plans)  # fmt: skip
+        tuned, path = tuning.tune_and_store(
+            shape, device, chunks=chunks, baseline=untuned, log=typer.echo, path=plans
+        )
     except tuning.PlansNotStored as e:
         raise fail(f"m3run tune-scan: {tuning.summary(e.tuned)}, but {e}", 1) from None
     except torch.OutOfMemoryError:

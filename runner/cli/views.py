@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from m3run.runner.cli.app import RUN_HELP, app, fail, run_dir_of
 
 
@@ -42,9 +43,10 @@ def status(
     if not watch:
         typer.echo(render()[0])
         return
-    from m3run.runner.protocol import ACTIVE_PHASES
     from rich.live import Live
     from rich.text import Text
+
+    from m3run.runner.protocol import ACTIVE_PHASES
 
     try:
         if as_json or not sys.stdout.isatty():  # a frame per refresh: scripts, pipes, logs
@@ -145,8 +147,10 @@ def checkpoints(
 
     infos = list_checkpoints(run_dir_of(run), verify=verify)
     if as_json:
-        rows = [{"step": i.step, "path": str(i.path), "complete": i.complete, "reason": i.reason}
-                for i in infos]  # fmt: skip
+        rows = [
+            {"step": i.step, "path": str(i.path), "complete": i.complete, "reason": i.reason}
+            for i in infos
+        ]
         typer.echo(json.dumps(rows, indent=2))
     else:
         typer.echo(format_checkpoint_table(infos) if infos else "no checkpoints")

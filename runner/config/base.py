@@ -7,8 +7,9 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, get_args
 
-from m3run.model.config import PRESETS
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from m3run.model.config import PRESETS
 
 
 class ConfigError(ValueError):

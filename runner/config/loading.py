@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
 from m3run.model.config import PRESETS, ModelConfig
 from m3run.runner.config.base import ConfigError, did_you_mean, show_value
 from m3run.runner.config.schema import RunConfig
-from pydantic import BaseModel, ValidationError
 
 # ---------------------------------------------------------------------------------------------
 # Loading

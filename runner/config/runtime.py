@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from m3run.runner.config.base import _Section
 from pydantic import Field, field_validator, model_validator
+
+from m3run.runner.config.base import _Section
 
 
 class SupervisorConfig(_Section):

@@ -10,6 +10,14 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
+from pydantic import (
+    Field,
+    PrivateAttr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
 from m3run.model.config import PRESETS, ModelConfig
 from m3run.runner.config.base import (
     ConfigError,
@@ -18,13 +26,6 @@ from m3run.runner.config.base import (
     did_you_mean,
 )
 from m3run.runner.config.runtime import DistributedConfig, SupervisorConfig
-from pydantic import (
-    Field,
-    PrivateAttr,
-    field_serializer,
-    field_validator,
-    model_validator,
-)
 
 # torch.compile's documented modes that the training step can run; a typo here would otherwise
 # surface only after the worker's (possibly long) startup.

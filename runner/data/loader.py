@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from m3run.runner.data.manifest import DTYPES, FORMAT_VERSION, DataError, is_int, load_manifest
 from m3run.runner.data.verify import verify_split
 

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from m3run.runner.files import sha256_file
 
 __all__ = [

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from m3run.runner.data.loader import BatchLoader, TokenWindows, WindowStream, epoch_permutation
 from m3run.runner.data.manifest import FORMAT_VERSION, MANIFEST_NAME, DataError, is_int
 from m3run.runner.data.verify import verify_split

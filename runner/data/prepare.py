@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from m3run.runner.data.documents import Documents, no_documents_message
 from m3run.runner.data.inputs import Input, read_inputs_file, resolve_inputs
 from m3run.runner.data.manifest import (

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
 from m3run.runner.data.manifest import MANIFEST_NAME
 from m3run.runner.files import atomic_write_text
 

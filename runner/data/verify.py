@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from m3run.runner.data.manifest import DTYPES, DataError
 from m3run.runner.files import atomic_write_text
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
+import m3run
 from m3run.runner.health.nvml import (
     FAKE_NVML_ENV,
     NVML_ERROR_FUNCTION_NOT_FOUND,
@@ -37,8 +38,6 @@ from m3run.runner.health.nvml import (
     NVML_VOLATILE_ECC,
 )
 from m3run.runner.procs import signal_group
-
-import m3run
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

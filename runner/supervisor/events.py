@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from m3run.runner.files import RunDirWriteError, append_jsonl, open_append
 from m3run.runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.config import (
     ConfigError,

@@ -495,8 +495,9 @@ class PreemptionWatcher:
         self._suppressed = 0
 
 
-def save_budget_warning(provider: str, poll_s: float, step_s: float | None,
-                        stall_s: float | None, write_s: float | None) -> str | None:  # fmt: skip
+def save_budget_warning(
+    provider: str, poll_s: float, step_s: float | None, stall_s: float | None, write_s: float | None
+) -> str | None:
     """Why a preemption notice from ``provider`` would leave this run too little time to save,
     or None while a save fits in SAVE_BUDGET_SHARE of it (or no checkpoint was written yet). On
     a notice the worker learns of it up to one poll later, finishes its step, stalls to snapshot
@@ -531,8 +532,9 @@ class SaveBudget:
     def check(self, hb: Heartbeat | None) -> str | None:
         if self.warned or hb is None or hb.checkpoint_write_s is None:
             return None
-        why = save_budget_warning(self.provider, self.poll_s, hb.step_time_s,
-                                  hb.checkpoint_time_s, hb.checkpoint_write_s)  # fmt: skip
+        why = save_budget_warning(
+            self.provider, self.poll_s, hb.step_time_s, hb.checkpoint_time_s, hb.checkpoint_write_s
+        )
         self.warned = why is not None
         return why
 

@@ -159,8 +159,9 @@ class StopDelivery:
                 "Ctrl-C kills the worker now)",
             )
         if stops.force and self.kill_at is not None and self.kill_at > now:
-            self.log.emit("force_kill", reason="second Ctrl-C: killing the worker now",
-                          level="warning")  # fmt: skip
+            self.log.emit(
+                "force_kill", reason="second Ctrl-C: killing the worker now", level="warning"
+            )
             self.kill_at = now
         if self.kill_at is not None and now >= self.kill_at:
             worker.kill()

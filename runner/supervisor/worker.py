@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from m3run.runner.files import lock_holder, read_json
 from m3run.runner.procs import (
     LogTail,

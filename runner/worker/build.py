@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
 from m3run.kernels.mamba3 import BackendUnavailableError, resolve_backend
 from m3run.model import Mamba3LM
 from m3run.model.lm import compile_options, param_groups
@@ -123,14 +124,25 @@ def scan_shape(cfg: RunConfig, device: torch.device) -> Shape:
 
     m = cfg.model
     dtype = precision_dtype(cfg, device) or torch.float32
-    return Shape(cfg.train.micro_batch_size, cfg.data.seq_len, m.nheads, m.headdim, m.d_state,
-                 m.n_angles, m.ngroups, dtype, cfg.data.reset_at_eos)  # fmt: skip
+    return Shape(
+        cfg.train.micro_batch_size,
+        cfg.data.seq_len,
+        m.nheads,
+        m.headdim,
+        m.d_state,
+        m.n_angles,
+        m.ngroups,
+        dtype,
+        cfg.data.reset_at_eos,
+    )
 
 
 def compile_for_training(
-    model: Mamba3LM, t: TrainConfig, wrapped: torch.nn.Module | None = None,
+    model: Mamba3LM,
+    t: TrainConfig,
+    wrapped: torch.nn.Module | None = None,
     backend: str | Callable = "inductor",
-) -> torch.nn.Module:  # fmt: skip
+) -> torch.nn.Module:
     """What a training step calls: ``wrapped`` (the model, or DDP around it) compiled as
     train.compile and train.compile_scope say (scope "blocks": each block compiled in place,
     the wrapper returned as it is), under inductor with the mode's :func:`compile_options`, or

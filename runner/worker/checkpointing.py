@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
 from m3run.runner import __version__
 from m3run.runner.checkpoint import io as ckpt_io
 from m3run.runner.checkpoint import layout as ckpt
@@ -173,9 +174,13 @@ class Checkpointer:
 
         def job() -> Path:
             path = ckpt_io.write_checkpoint(
-                run_dir, step, cpu_model, cpu_optim, meta,
+                run_dir,
+                step,
+                cpu_model,
+                cpu_optim,
+                meta,
                 before_meta=lambda: faults.during_save(step),
-            )  # fmt: skip
+            )
             try:
                 ckpt.apply_retention(run_dir, keep, protect=protect)
             except OSError as e:

@@ -7,6 +7,7 @@ import datetime
 import os
 
 import torch
+
 from m3run.runner.config import ConfigError, RunConfig
 
 

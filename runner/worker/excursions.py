@@ -99,9 +99,14 @@ class Excursions:
         if not self.dist.writer:
             return
         telemetry.record(
-            {"kind": "rollback", "step": info.step, "lr_scale": scale, "time": time.time(),
-             "skipped_positions": skip},
-        )  # fmt: skip
+            {
+                "kind": "rollback",
+                "step": info.step,
+                "lr_scale": scale,
+                "time": time.time(),
+                "skipped_positions": skip,
+            },
+        )
         print(
             f"NaN rollback #{rollbacks}: restored step {info.step}, lr scale {scale:g}, "
             f"skipping {len(skip)} data window(s)",

@@ -67,8 +67,14 @@ def run(
             cfg = keep_legacy_values(cfg, load_frozen_config(frozen))
         if not (lr_scale > 0):
             raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
-        trainer = Trainer(cfg, Path(run_dir), resume=resume, force=force, lr_scale=lr_scale,
-                          compile_stack=compile_stack)  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            Path(run_dir),
+            resume=resume,
+            force=force,
+            lr_scale=lr_scale,
+            compile_stack=compile_stack,
+        )
         trainer.startup_times["imported"] = imported
         signal.signal(signal.SIGTERM, trainer._on_signal)
         signal.signal(signal.SIGINT, trainer._on_signal)

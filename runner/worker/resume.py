@@ -134,9 +134,13 @@ class Resume:
         if self.dist.writer:
             ckpt.mark_unusable(info.path, reason)
             self.telemetry.record(
-                {"kind": "checkpoint_unusable", "step": info.step, "reason": reason,
-                 "time": time.time()}
-            )  # fmt: skip
+                {
+                    "kind": "checkpoint_unusable",
+                    "step": info.step,
+                    "reason": reason,
+                    "time": time.time(),
+                }
+            )
 
     def _refuse_scratch(
         self, infos: list[ckpt.CheckpointInfo], unusable: list[tuple[ckpt.CheckpointInfo, str]]

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from m3run.kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
 from m3run.model import Mamba3LM
 from m3run.runner.checkpoint import io as ckpt_io
@@ -99,9 +100,13 @@ class SmokeResult:
 
 class _Smoke:
     def __init__(
-        self, cfg: RunConfig, scratch: Path | None = None, compile_backend="inductor",
-        compile_stack: CompileStack | None = None, echo=print,
-    ):  # fmt: skip
+        self,
+        cfg: RunConfig,
+        scratch: Path | None = None,
+        compile_backend="inductor",
+        compile_stack: CompileStack | None = None,
+        echo=print,
+    ):
         self.cfg = cfg
         self.echo = echo or (lambda line: None)  # progress inside a long check
         self.scratch = scratch  # where check 7 writes (None: the system's temp directory)
@@ -145,8 +150,14 @@ class _Smoke:
         paths = [s.path for s in c.data.sources] if c.data.sources else [c.data.train_path]
         for path in paths:
             check_vocab(load_manifest(path), c.model.vocab_size)
-        loader = train_loader(c.data.train_path, c.data.sources, c.data.seq_len,
-                              c.train.micro_batch_size, c.train.seed, prefetch=0)  # fmt: skip
+        loader = train_loader(
+            c.data.train_path,
+            c.data.sources,
+            c.data.seq_len,
+            c.train.micro_batch_size,
+            c.train.seed,
+            prefetch=0,
+        )
         try:
             self.batch = loader.next_batch()
             self.eos_id = loader.eos_id if c.data.reset_at_eos else None
@@ -205,8 +216,10 @@ class _Smoke:
         expect = math.log(self.cfg.model.vocab_size)
         t = self.cfg.train
         how = f", compiled (scope {t.compile_scope}) as the worker runs it" if t.compile else ""
-        return (f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
-                f"{self.model.num_params():,} params{how}{_precompiled(job)}{tuned}")  # fmt: skip
+        return (
+            f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
+            f"{self.model.num_params():,} params{how}{_precompiled(job)}{tuned}"
+        )
 
     def _tune_scan(self) -> str:
         """supervisor.tune_scan: where this GPU has no tuned launch plan for the run's scan
@@ -231,9 +244,11 @@ class _Smoke:
         if lp.launch_plans().has_tuned(self.device, shape.p, shape.n, m.chunk_size, shape.dtype):
             return ""
         untuned = lp.untuned_plan(m.chunk_size)
-        self.echo(f"  no tuned launch plan for the scan on this GPU: tuning one at "
-                  f"{shape.describe()}, chunk {untuned.chunk} (once per machine, under a "
-                  f"minute)")  # fmt: skip
+        self.echo(
+            f"  no tuned launch plan for the scan on this GPU: tuning one at "
+            f"{shape.describe()}, chunk {untuned.chunk} (once per machine, under a "
+            f"minute)"
+        )
         try:
             tuned, path = tuning.tune_and_store(
                 shape, self.device, chunks=(untuned.chunk,), baseline=untuned, log=lambda line: None
@@ -295,8 +310,9 @@ class _Smoke:
         from m3run.kernels.mamba3.plans import launch_plans
 
         shape = scan_shape(self.cfg, self.device)  # the shape check 3's tune took
-        source = launch_plans().source(self.device, shape.p, shape.n, self.cfg.model.chunk_size,
-                                       shape.dtype)  # fmt: skip
+        source = launch_plans().source(
+            self.device, shape.p, shape.n, self.cfg.model.chunk_size, shape.dtype
+        )
         return f"; launch plans: {source}"
 
     # 5
@@ -319,11 +335,18 @@ class _Smoke:
 
         dt_ = torch.nn.functional.softplus(r(b, h, t) - 2)
         args = dict(
-            q=r(b, t, 1, n, dt=dtype), k=r(b, t, 1, n, dt=dtype), v=r(b, t, h, p, dt=dtype),
-            adt=-torch.rand(b, h, t, generator=g).to(self.device) * dt_, dt=dt_,
-            trap=r(b, h, t), q_bias=r(h, n), k_bias=r(h, n), angles=r(b, t, h, s),
-            d=r(h), z=r(b, t, h, p, dt=dtype),
-        )  # fmt: skip
+            q=r(b, t, 1, n, dt=dtype),
+            k=r(b, t, 1, n, dt=dtype),
+            v=r(b, t, h, p, dt=dtype),
+            adt=-torch.rand(b, h, t, generator=g).to(self.device) * dt_,
+            dt=dt_,
+            trap=r(b, h, t),
+            q_bias=r(h, n),
+            k_bias=r(h, n),
+            angles=r(b, t, h, s),
+            d=r(h),
+            z=r(b, t, h, p, dt=dtype),
+        )
         if self.cfg.data.reset_at_eos:
             # Document starts inside a chunk and on a chunk boundary, as training gives them.
             args["reset"] = torch.zeros(b, t, dtype=torch.bool, device=self.device)
@@ -392,11 +415,14 @@ class _Smoke:
             need += sum(p.numel() * p.element_size() for p in self.model.parameters())
             extra += " and the gradients held across micro-batches"
         frac = need / total
-        msg = (f"one micro-batch peaks at {peak / 2**30:.1f} GiB; with {extra} "
-               f"≈{need / 2**30:.1f} GiB of {total / 2**30:.0f} GiB ({frac:.0%})")  # fmt: skip
+        msg = (
+            f"one micro-batch peaks at {peak / 2**30:.1f} GiB; with {extra} "
+            f"≈{need / 2**30:.1f} GiB of {total / 2**30:.0f} GiB ({frac:.0%})"
+        )
         if frac > 0.95:
-            raise CheckFailed(msg + ": lower train.micro_batch_size or enable "
-                              "train.activation_checkpointing")  # fmt: skip
+            raise CheckFailed(
+                msg + ": lower train.micro_batch_size or enable train.activation_checkpointing"
+            )
         return msg
 
 
@@ -474,8 +500,10 @@ def _round_trip_in(state: dict[str, torch.Tensor], scratch: Path | None) -> str:
         if diff:
             raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")
         size = sum(f.stat().st_size for f in path.iterdir())
-    return (f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact "
-            f"({time.perf_counter() - t0:.1f} s, beside checks 3–6)")  # fmt: skip
+    return (
+        f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact "
+        f"({time.perf_counter() - t0:.1f} s, beside checks 3–6)"
+    )
 
 
 CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from m3run.runner.config import ConfigError, RunConfig
 from m3run.runner.files import append_jsonl, atomic_write_json
 from m3run.runner.formatting import format_duration

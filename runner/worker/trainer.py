@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from m3run.runner.config import RunConfig
 from m3run.runner.data.loader import WindowStream, check_vocab, eval_batches
 from m3run.runner.data.mixture import train_loader
@@ -193,9 +194,12 @@ class Trainer:
         self.eos_id = self.loader.eos_id if cfg.data.reset_at_eos else None
         # The scan's kernels compile on a pool of threads from here on, beside the checkpoint
         # load and torch.compile's work, rather than one by one at their first launch.
-        precompile = self.model.precompile_scan(t.micro_batch_size, cfg.data.seq_len,
-                                                self.autocast_dtype or torch.float32,
-                                                reset=self.eos_id is not None)  # fmt: skip
+        precompile = self.model.precompile_scan(
+            t.micro_batch_size,
+            cfg.data.seq_len,
+            self.autocast_dtype or torch.float32,
+            reset=self.eos_id is not None,
+        )
         if precompile is not None and self.dist.writer:
             precompile.add_done_callback(_say_precompiled)
         self.val_batches = None
@@ -204,10 +208,17 @@ class Trainer:
                 cfg.data.val_path, cfg.data.seq_len, t.micro_batch_size, cfg.eval.steps
             )
         self.checkpointer = Checkpointer(
-            cfg, self.run_dir, self.dist, self.faults, self.telemetry,
-            model=self.model, optimizer=self.optimizer, loader=self.loader, counters=self,
+            cfg,
+            self.run_dir,
+            self.dist,
+            self.faults,
+            self.telemetry,
+            model=self.model,
+            optimizer=self.optimizer,
+            loader=self.loader,
+            counters=self,
             force=self.force,
-        )  # fmt: skip
+        )
         self.telemetry.saves = self.checkpointer.status
         resumer = Resume(
             self.run_dir, self.resume, self.force, self.dist, self.checkpointer, self.telemetry
@@ -297,8 +308,13 @@ class Trainer:
         gradient reduction that a dropped one would leave pending)."""
         every = self.cfg.eval.interval_steps
         eval_next = every and self.val_batches is not None and step % every == 0
-        return (self.overlap and not self.dist.enabled and step < self.cfg.train.total_steps
-                and not eval_next and self.stop_signal is None)  # fmt: skip
+        return (
+            self.overlap
+            and not self.dist.enabled
+            and step < self.cfg.train.total_steps
+            and not eval_next
+            and self.stop_signal is None
+        )
 
     def eval(self) -> float | None:
         if self.val_batches is None or not self.dist.writer:
@@ -378,9 +394,15 @@ class Trainer:
         self.startup_times["first_step_end"] = time.time()
         if self.dist.writer:
             self.telemetry.record(
-                {"kind": "startup_times", "step": self.step, "pid": os.getpid(),
-                 "resumed_from": self.resumed_from, "time": time.time(), **self.startup_times}
-            )  # fmt: skip
+                {
+                    "kind": "startup_times",
+                    "step": self.step,
+                    "pid": os.getpid(),
+                    "resumed_from": self.resumed_from,
+                    "time": time.time(),
+                    **self.startup_times,
+                }
+            )
 
     def _stop_agreed(self) -> bool:
         """Every rank stops at the same step boundary: a signal seen by any rank stops all."""
@@ -413,5 +435,8 @@ def _say_precompiled(job) -> None:
     try:
         print(f"precompile: {job.result()}", flush=True)
     except Exception as e:
-        print(f"precompile: compiling the scan kernels ahead failed ({e}); each compiles at its "
-              "first launch instead", flush=True)  # fmt: skip
+        print(
+            f"precompile: compiling the scan kernels ahead failed ({e}); each compiles at its "
+            "first launch instead",
+            flush=True,
+        )

@@ -21,6 +21,7 @@ import psutil
 import pytest
 from helpers.launching import INTERVAL, TOTAL_STEPS, Run, overrides
 from helpers.runs import worker_env
+
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import (

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from helpers.launching import Run, overrides
+
 from m3run.runner.protocol import EXIT_CONFIG, EXIT_SOFTWARE, EXIT_STOPPED, STATE_FILE
 
 pytestmark = pytest.mark.slow

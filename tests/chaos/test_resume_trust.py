@@ -17,6 +17,7 @@ from helpers.launching import Run, overrides
 from helpers.runs import tiny_run_overrides
 from helpers.supervision import hold_lock
 from helpers.training import run_worker
+
 from m3run.runner.checkpoint.layout import UNUSABLE_FILE, checkpoint_dir, list_checkpoints
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import (

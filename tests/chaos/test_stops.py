@@ -15,6 +15,7 @@ import pytest
 from helpers.launching import Run, overrides
 from helpers.runs import REPO, worker_env
 from helpers.supervision import unrelated_process
+
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import EVENTS_FILE, EXIT_OK, FAULT_ENV, STATE_FILE
@@ -47,8 +48,10 @@ def test_repeated_stops_during_a_slow_save_wait_for_the_same_checkpoint(corpus, 
     said: list[str] = []  # the second stop's output, line by line as it comes
     reader = threading.Thread(target=lambda: said.extend(second.stdout), daemon=True)
     reader.start()
-    run.wait_for(lambda: any("waiting for the same save" in line for line in said),
-                 "the second stop to wait for the same save")  # fmt: skip
+    run.wait_for(
+        lambda: any("waiting for the same save" in line for line in said),
+        "the second stop to wait for the same save",
+    )
     run.proc.send_signal(signal.SIGTERM)  # and a container runtime's SIGTERM on top
     run.wait_for(lambda: "stop_repeated" in _events(run_dir), "the repeated stop's event")
     release.touch()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from m3run.runner.protocol import EXIT_CONFIG, EXIT_SOFTWARE, EXIT_STOPPED, EXIT_UNAVAILABLE
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import typer.main
 import yaml
+from typer.testing import CliRunner
+
 from m3run.runner.cli import app
 from m3run.runner.config import load_config
 from m3run.runner.protocol import (
@@ -28,7 +30,6 @@ from m3run.runner.protocol import (
     EXIT_STOPPED,
     EXIT_UNAVAILABLE,
 )
-from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "configs/pretrain_a100_434m.yaml"
@@ -524,9 +525,11 @@ def recipe_header_commands(path: Path) -> list[list[str]]:
     """The `m3run ...` command lines quoted in a recipe's comments, as argv after `m3run`; a
     quoted `--set ...` is added to the launch before it."""
     quoted = [
-        q for line in path.read_text().splitlines() if line.startswith("#")
+        q
+        for line in path.read_text().splitlines()
+        if line.startswith("#")
         for q in re.findall(r"`([^`]+)`", line)
-    ]  # fmt: skip
+    ]
     out: list[list[str]] = []
     for q in quoted:
         argv = shlex.split(q.replace("<run>", "run1"))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from m3run.runner.config import load_config
 from m3run.runner.protocol import EXIT_CONFIG
 

@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
 from m3run.runner.files import read_json
 from m3run.runner.protocol import HEARTBEAT_FILE, STATE_FILE
-
-from helpers.runs import DEMO_CONFIG, REPO, tiny_run_overrides, worker_env
 
 TOTAL_STEPS = 24
 INTERVAL = 4

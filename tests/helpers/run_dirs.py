@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import psutil
+from typer.testing import CliRunner
+
 from m3run.runner.cli import app
 from m3run.runner.protocol import HEARTBEAT_FILE, METRICS_FILE, STATE_FILE
-from typer.testing import CliRunner
 
 _cli = CliRunner()
 

@@ -32,7 +32,9 @@ def make_inputs(b=2, t=37, h=3, p=4, n=8, s=2, g=1, with_d=True, with_z=True, dt
     dt = F.softplus(r(b, h, t, dt=F64) - 1.0)
     A = torch.clamp(-F.softplus(r(b, h, t, dt=F64)), max=-1e-4)
     return dict(
-        q=r(b, t, g, n), k=r(b, t, g, n), v=r(b, t, h, p),
+        q=r(b, t, g, n),
+        k=r(b, t, g, n),
+        v=r(b, t, h, p),
         adt=(A * dt).to(dtype if dtype == F64 else torch.float32),
         dt=dt.to(dtype if dtype == F64 else torch.float32),
         trap=r(b, h, t, dt=F64).to(dtype if dtype == F64 else torch.float32),
@@ -41,7 +43,7 @@ def make_inputs(b=2, t=37, h=3, p=4, n=8, s=2, g=1, with_d=True, with_z=True, dt
         angles=(2 * r(b, t, h, s, dt=F64)).to(dtype if dtype == F64 else torch.float32),
         d=r(h) if with_d else None,
         z=r(b, t, h, p) if with_z else None,
-    )  # fmt: skip
+    )
 
 
 def rel(a, b) -> float:

@@ -10,12 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.runs import REPO
 from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import EVENTS_FILE, STATE_FILE
 from m3run.runner.supervisor.settings import SupervisorSettings
 from m3run.runner.supervisor.supervisor import Supervisor
-
-from helpers.runs import REPO
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "standin_worker.py"

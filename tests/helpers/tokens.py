@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+
 from m3run.runner.data.manifest import load_manifest
 from m3run.runner.data.tokenizer import EOS_TEXT, load_tokenizer
 

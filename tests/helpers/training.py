@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.runs import DEMO_CONFIG, worker_env
 from m3run.runner.checkpoint.layout import latest_complete
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import METRICS_FILE
-
-from helpers.runs import DEMO_CONFIG, worker_env
 
 
 def worker_cmd(run_dir: Path, overrides: list[str], *extra: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from m3run.kernels import add_rms_norm as op
 
 EPS = 1e-5
@@ -46,8 +47,9 @@ def main() -> None:
     for a, b in zip(run(compiled, *args), got, strict=True):
         assert torch.equal(a, b), "compiled differs from eager"
     s = args[0] + args[1]
-    torch.library.opcheck(op.add_rms_norm_bwd_op, (s, args[2], args[3], args[4], EPS,
-                                                   torch.float32))  # fmt: skip
+    torch.library.opcheck(
+        op.add_rms_norm_bwd_op, (s, args[2], args[3], args[4], EPS, torch.float32)
+    )
     print("ok")
 
 

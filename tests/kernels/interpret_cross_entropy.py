@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import interpret_scan  # noqa: F401  (importing it patches the interpreter's loop bounds)
 import torch
+
 from m3run.kernels import cross_entropy
 from m3run.model.loss import LinearCrossEntropy
 

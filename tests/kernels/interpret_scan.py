@@ -148,20 +148,31 @@ def inputs(b, t, h, p, n, s, g, d, z, gen, shared=False):
 
     dt = F.softplus(r(b, h, t) - 2.0)
     return dict(
-        q=F.rms_norm(r(b, t, g, n), (n,)), k=F.rms_norm(r(b, t, g, n), (n,)), v=r(b, t, h, p),
-        adt=torch.clamp(-F.softplus(r(b, h, t)), max=-1e-4) * dt, dt=dt, trap=r(b, h, t),
-        q_bias=1 + 0.1 * r(h, n), k_bias=1 + 0.1 * r(h, n),
+        q=F.rms_norm(r(b, t, g, n), (n,)),
+        k=F.rms_norm(r(b, t, g, n), (n,)),
+        v=r(b, t, h, p),
+        adt=torch.clamp(-F.softplus(r(b, h, t)), max=-1e-4) * dt,
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=1 + 0.1 * r(h, n),
+        k_bias=1 + 0.1 * r(h, n),
         angles=2 * r(b, t, 1 if shared else h, s),
-        d=r(h) if d else None, z=r(b, t, h, p) if z else None,
-    )  # fmt: skip
+        d=r(h) if d else None,
+        z=r(b, t, h, p) if z else None,
+    )
 
 
 def run(fn, x, state, gy, g_state, chunk, reset=None):
     leaves = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
     st = None if state is None else [a.clone().requires_grad_() for a in state]
     extra = {} if reset is None else {"reset": reset}
-    y, fin = fn(**{k: leaves.get(k) for k in x}, chunk_size=chunk, initial_state=st,
-                return_final_state=True, **extra)  # fmt: skip
+    y, fin = fn(
+        **{k: leaves.get(k) for k in x},
+        chunk_size=chunk,
+        initial_state=st,
+        return_final_state=True,
+        **extra,
+    )
     loss = (y * gy).sum() + sum((f * g).sum() for f, g in zip(fin, g_state, strict=True))
     names = list(leaves) + ([f"state{i}" for i in range(4)] if st else [])
     grads = torch.autograd.grad(loss, list(leaves.values()) + (st or []))
@@ -188,8 +199,9 @@ def bf16_errors(t: int) -> dict[str, float]:
             leaves = {k: (v.double() if f64 else v).clone().requires_grad_() for k, v in x.items()}
             y = fn(**leaves, chunk_size=64)
             loss = (y.double() * gy.double()).sum() if f64 else (y * gy).sum()
-            return y, dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())),
-                               strict=True))  # fmt: skip
+            return y, dict(
+                zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True)
+            )
 
         y, gr = grads(mamba3_siso_triton, False)
         y_r, gr_r = grads(lambda **a: mamba3_siso(**a, backend="pytorch"), True)
@@ -213,17 +225,22 @@ def main() -> None:
         for kernel, key in (("fwd", "fwd_bv"), ("bwd_dstate", "dstate_bv")):
             if key in c:
                 base = lp.DEFAULT_CONFIGS[kernel]
-                plan.configs[kernel] = lp.LaunchConfig(base.num_warps, base.num_stages,
-                                                       bv=c.pop(key))  # fmt: skip
+                plan.configs[kernel] = lp.LaunchConfig(
+                    base.num_warps, base.num_stages, bv=c.pop(key)
+                )
         if {"chunk_hpp", "chunk_cpp", "chunk_bv"} & c.keys():
             base = lp.DEFAULT_CONFIGS["bwd_chunk"]
-            plan.configs["bwd_chunk"] = lp.LaunchConfig(base.num_warps, base.num_stages,
-                                                        bv=c.pop("chunk_bv", 0),
-                                                        hpp=c.pop("chunk_hpp", 1),
-                                                        cpp=c.pop("chunk_cpp", 1))  # fmt: skip
+            plan.configs["bwd_chunk"] = lp.LaunchConfig(
+                base.num_warps,
+                base.num_stages,
+                bv=c.pop("chunk_bv", 0),
+                hpp=c.pop("chunk_hpp", 1),
+                cpp=c.pop("chunk_cpp", 1),
+            )
         if "angle_hb" in c:
-            plan.configs["bwd_angle"] = dataclasses.replace(plan.configs["bwd_angle"],
-                                                            hb=c.pop("angle_hb"))  # fmt: skip
+            plan.configs["bwd_angle"] = dataclasses.replace(
+                plan.configs["bwd_angle"], hb=c.pop("angle_hb")
+            )
         if c.pop("wg", 0):
             for kernel in ("fwd", "bwd_chunk"):
                 plan.configs[kernel] = dataclasses.replace(plan.configs[kernel], wg=1)
@@ -233,13 +250,18 @@ def main() -> None:
         b, t, h, p = x["v"].shape
         n, s = x["k"].shape[3], x["angles"].shape[3]
         gy = torch.randn(b, t, h, p, generator=gen)
-        g_state = [torch.randn(*sh, generator=gen) for sh in
-                   ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))]  # fmt: skip
+        g_state = [
+            torch.randn(*sh, generator=gen)
+            for sh in ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))
+        ]
         state = None
         if with_state:
-            state = (2 * math.pi * torch.rand(b, h, s, generator=gen),
-                     torch.randn(b, h, p, n, generator=gen), torch.randn(b, h, n, generator=gen),
-                     torch.randn(b, h, p, generator=gen))  # fmt: skip
+            state = (
+                2 * math.pi * torch.rand(b, h, s, generator=gen),
+                torch.randn(b, h, p, n, generator=gen),
+                torch.randn(b, h, n, generator=gen),
+                torch.randn(b, h, p, generator=gen),
+            )
         reset = None
         if starts is not None:
             reset = torch.zeros(b, t, dtype=torch.bool)

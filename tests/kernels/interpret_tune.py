@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import interpret_scan  # noqa: F401  (the interpreter's patches, as for the scan's runs)
 import torch
+
 from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3.tools import tuning
 
@@ -59,9 +60,15 @@ def main() -> None:
         blocker = Path(tmp) / "a-file"  # a plans file under a file: it cannot be written
         blocker.write_text("")
         try:
-            tuning.tune_and_store(shape, torch.device("cpu"), chunks=[16], log=lines.append,
-                                  path=blocker / "plans.json", timer=wall_ms,
-                                  candidates=CANDIDATES)  # fmt: skip
+            tuning.tune_and_store(
+                shape,
+                torch.device("cpu"),
+                chunks=[16],
+                log=lines.append,
+                path=blocker / "plans.json",
+                timer=wall_ms,
+                candidates=CANDIDATES,
+            )
         except tuning.PlansNotStored as e:
             tuned, message = e.tuned, str(e)
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import interpret_scan
 import torch
 import torch.nn.functional as F
+
 from m3run.kernels.mamba3 import triton_siso as ts
 
 CASES = [
@@ -28,11 +29,18 @@ def inputs(b, t, h, p, n, s, g, z, d):
 
     dt = F.softplus(r(b, h, t) - 2.0)
     return dict(
-        q=F.rms_norm(r(b, t, g, n), (n,)), k=F.rms_norm(r(b, t, g, n), (n,)), v=r(b, t, h, p),
-        adt=-F.softplus(r(b, h, t)) * dt, dt=dt, trap=r(b, h, t),
-        q_bias=torch.ones(h, n), k_bias=torch.ones(h, n), angles=r(b, t, h, s),
-        d=torch.ones(h) if d else None, z=r(b, t, h, p) if z else None,
-    )  # fmt: skip
+        q=F.rms_norm(r(b, t, g, n), (n,)),
+        k=F.rms_norm(r(b, t, g, n), (n,)),
+        v=r(b, t, h, p),
+        adt=-F.softplus(r(b, h, t)) * dt,
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=torch.ones(h, n),
+        k_bias=torch.ones(h, n),
+        angles=r(b, t, h, s),
+        d=torch.ones(h) if d else None,
+        z=r(b, t, h, p) if z else None,
+    )
 
 
 def main() -> None:
@@ -69,13 +77,40 @@ def main() -> None:
         if case["z"]:
             vz.append((torch.stack([x["z"], x["v"]], dim=2), None, True))
         for v, z, packed in vz:
-            args = (x["q"], x["k"], v, z, x["adt"], x["dt"], x["trap"], x["q_bias"], x["k_bias"],
-                    x["angles"], x["d"], None, None, seg, chunk, True, packed)  # fmt: skip
-            torch.library.opcheck(ts.siso_fwd_op, args,
-                                  test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+            args = (
+                x["q"],
+                x["k"],
+                v,
+                z,
+                x["adt"],
+                x["dt"],
+                x["trap"],
+                x["q_bias"],
+                x["k_bias"],
+                x["angles"],
+                x["d"],
+                None,
+                None,
+                seg,
+                chunk,
+                True,
+                packed,
+            )
+            torch.library.opcheck(
+                ts.siso_fwd_op, args, test_utils=("test_schema", "test_faketensor")
+            )
             y, phi_t, _g_t, g_in, phi_in = ts.siso_fwd_op(*args)
-            bargs = (*args[:11], seg, g_in, phi_in, torch.randn_like(y), None,
-                     torch.zeros_like(phi_t), chunk, packed)  # fmt: skip
+            bargs = (
+                *args[:11],
+                seg,
+                g_in,
+                phi_in,
+                torch.randn_like(y),
+                None,
+                torch.zeros_like(phi_t),
+                chunk,
+                packed,
+            )
             torch.library.opcheck(ts.siso_bwd_op, bargs, test_utils=("test_faketensor",))
     print("ok")
 
@@ -83,8 +118,11 @@ def main() -> None:
 def check_packed(scan, x) -> None:
     """z and v packed as ``zv`` give the output and gradients of z and v apart, bitwise."""
     apart = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
-    packed = {k: None if v is None else v.clone().requires_grad_() for k, v in x.items()
-              if k not in ("v", "z")}  # fmt: skip
+    packed = {
+        k: None if v is None else v.clone().requires_grad_()
+        for k, v in x.items()
+        if k not in ("v", "z")
+    }
     zv = torch.stack([x["z"], x["v"]], dim=2).requires_grad_()
     ys = [scan(**apart), scan(**packed, v=None, zv=zv)]
     probe = torch.linspace(-1, 1, ys[0].numel()).view_as(ys[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from m3run.model.config import ModelConfig
 from m3run.model.lm import Block
 

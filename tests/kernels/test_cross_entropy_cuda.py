@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from m3run.model.loss import IGNORE_INDEX, linear_cross_entropy
 
 pytestmark = [

@@ -11,12 +11,13 @@ import logging
 
 import pytest
 import torch
+from typer.testing import CliRunner
+
 from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3 import triton_common as tc
 from m3run.kernels.mamba3.plans import lookup
 from m3run.kernels.mamba3.plans.table import TABLE
 from m3run.runner.cli import app
-from typer.testing import CliRunner
 
 CUDA = torch.device("cuda")  # a device object only: plan_for reads its type, arch_key is patched
 ENTRY = {
@@ -122,8 +123,9 @@ def test_plans_tuned_on_other_kernels_are_ignored_and_replaced_when_stored(
         ('["a list"]', "not a plans file"),
     ],
 )
-def test_an_unreadable_plans_file_is_ignored_with_a_warning(plans, monkeypatch, caplog, content,
-                                                            why):  # fmt: skip
+def test_an_unreadable_plans_file_is_ignored_with_a_warning(
+    plans, monkeypatch, caplog, content, why
+):
     plans.parent.mkdir(parents=True)
     plans.write_text(content)
     caplog.set_level(logging.WARNING)

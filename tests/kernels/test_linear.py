@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from m3run.kernels.linear import linear_rows, linear_rows_bwd_op, linear_rows_op
 
 CUDA = [
@@ -35,8 +36,12 @@ def grads(fn, x, w, sizes, dtype, gys):
 def inputs(device, dtype, sizes, k=96, rows=(3, 37)):
     torch.manual_seed(0)
     x = torch.randn(*rows, k, device=device, dtype=dtype)
-    w = torch.randn(sum(sizes), k, device=device, dtype=torch.float32 if dtype != torch.float64
-                    else dtype) / k**0.5  # fmt: skip
+    w = (
+        torch.randn(
+            sum(sizes), k, device=device, dtype=torch.float32 if dtype != torch.float64 else dtype
+        )
+        / k**0.5
+    )
     gys = [torch.randn(*rows, n, device=device, dtype=dtype) for n in sizes]
     return x, w, gys
 
@@ -103,8 +108,9 @@ def test_gpu_bf16_with_an_fp32_weight_matches_autocast_and_is_deterministic(size
             return plain(x, w, sizes, x.dtype)
 
     base = grads(autocast, x, w, sizes, torch.bfloat16, gys)
-    exact = grads(plain, x.double(), w.bfloat16().double(), sizes, torch.float64,
-                  [g.double() for g in gys])  # fmt: skip
+    exact = grads(
+        plain, x.double(), w.bfloat16().double(), sizes, torch.float64, [g.double() for g in gys]
+    )
     for name, g, b, e in zip(["dx", "dw"], got[1:], base[1:], exact[1:], strict=True):
         assert rel(g, e) <= 1.25 * rel(b, e) + 1e-6, (name, rel(g, e), rel(b, e))
     for y, e in zip(got[0], exact[0], strict=True):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.scan_inputs import make_inputs, rel, slice_time
+
 from m3run.kernels.mamba3 import (
     BackendUnavailableError,
     mamba3_siso,
@@ -163,10 +164,19 @@ def test_step_by_step_decode_equals_scan():
     state = zero_state(2, 3, 4, 8, 2, dtype=F64, device="cpu")
     for i in range(9):
         yi, state = mamba3_siso_step(
-            x["q"][:, i], x["k"][:, i], x["v"][:, i], x["adt"][..., i], x["dt"][..., i],
-            x["trap"][..., i], x["q_bias"], x["k_bias"], x["angles"][:, i], x["d"],
-            x["z"][:, i], state,
-        )  # fmt: skip
+            x["q"][:, i],
+            x["k"][:, i],
+            x["v"][:, i],
+            x["adt"][..., i],
+            x["dt"][..., i],
+            x["trap"][..., i],
+            x["q_bias"],
+            x["k_bias"],
+            x["angles"][:, i],
+            x["d"],
+            x["z"][:, i],
+            state,
+        )
         assert rel(yi, y[:, i]) <= 1e-12
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.scan_inputs import F64, make_inputs, rel, slice_time
+
 from m3run.kernels.mamba3 import mamba3_siso, mamba3_siso_recurrent, zero_state
 
 B, T, H, P, N, S = 2, 29, 3, 4, 8, 2
@@ -140,13 +141,20 @@ def test_split_with_resets_in_both_halves_equals_the_whole(t1):
         **x, chunk_size=CHUNK, reset=reset, return_final_state=True, backend="pytorch"
     )
     ya, sa = mamba3_siso(
-        **slice_time(x, 0, t1), chunk_size=CHUNK, reset=reset[:, :t1], return_final_state=True,
+        **slice_time(x, 0, t1),
+        chunk_size=CHUNK,
+        reset=reset[:, :t1],
+        return_final_state=True,
         backend="pytorch",
-    )  # fmt: skip
+    )
     yb, sb = mamba3_siso(
-        **slice_time(x, t1, t), chunk_size=CHUNK, initial_state=sa, reset=reset[:, t1:],
-        return_final_state=True, backend="pytorch",
-    )  # fmt: skip
+        **slice_time(x, t1, t),
+        chunk_size=CHUNK,
+        initial_state=sa,
+        reset=reset[:, t1:],
+        return_final_state=True,
+        backend="pytorch",
+    )
     assert rel(torch.cat([ya, yb], dim=1), y) <= 1e-12
     for a, b in zip(sb, st, strict=True):
         assert rel(a, b) <= 1e-12

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from m3run.model.layers import SwiGLU
 
 pytestmark = [

@@ -114,6 +114,7 @@ def test_the_default_plans_log_outside_a_compiled_trace_without_breaking_it(monk
     come from torch.compile's trace of the scan's caller (a log call breaks a block's one graph
     into several), but from the first call that runs."""
     import torch
+
     from m3run.kernels.mamba3 import plans as lp
     from m3run.kernels.mamba3.plans import lookup
 

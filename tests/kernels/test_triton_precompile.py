@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+
 from m3run.kernels.mamba3 import api, mamba3_siso
 from m3run.kernels.mamba3 import launching as lp
 from m3run.kernels.mamba3.tools.precompile import Launch, precompile, scan_launches
@@ -53,9 +54,19 @@ def test_the_recorded_launches_are_those_the_mixer_makes(reset, monkeypatch):
                 mixer(u, reset=rst if reset else None)
 
     real = recorded(step)
-    ahead = scan_launches(b, t, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles,
-                          g=cfg.ngroups, chunk_size=cfg.chunk_size, dtype=torch.bfloat16,
-                          reset=reset, device=torch.device("cpu"))  # fmt: skip
+    ahead = scan_launches(
+        b,
+        t,
+        cfg.nheads,
+        cfg.headdim,
+        cfg.d_state,
+        cfg.n_angles,
+        g=cfg.ngroups,
+        chunk_size=cfg.chunk_size,
+        dtype=torch.bfloat16,
+        reset=reset,
+        device=torch.device("cpu"),
+    )
     assert [x.name for x in real] == [x.name for x in ahead]
     assert len(real) == 7  # forward, the backward's five kernels, the forward without saves
     for r, a in zip(real, ahead, strict=True):
@@ -127,8 +138,10 @@ def test_a_failed_compile_is_the_futures_error_and_the_rest_still_compile():
     cfg = lp.LaunchConfig(num_warps=4, num_stages=1)
     bad, good = Warmable(fail=True), Warmable()
     x = torch.empty(16)
-    job = precompile([Launch("bwd_chunk", bad, (1,), (x,), {}, cfg),
-                      Launch("fwd", good, (1,), (x,), {}, cfg)], torch.device("cpu"))  # fmt: skip
+    job = precompile(
+        [Launch("bwd_chunk", bad, (1,), (x,), {}, cfg), Launch("fwd", good, (1,), (x,), {}, cfg)],
+        torch.device("cpu"),
+    )
     with pytest.raises(RuntimeError, match="compiling bwd_chunk failed: ptxas ran out"):
         job.result(timeout=30)
     assert len(good.calls) == 1
@@ -214,8 +227,18 @@ def test_the_recorded_launches_compile_with_tritons_warmup_without_a_gpu(tmp_pat
             return ty
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    launches = scan_launches(16, 2048, 32, 64, 64, 16, chunk_size=64, dtype=torch.bfloat16,
-                             reset=True, device=torch.device("cpu"))  # fmt: skip
+    launches = scan_launches(
+        16,
+        2048,
+        32,
+        64,
+        64,
+        16,
+        chunk_size=64,
+        dtype=torch.bfloat16,
+        reset=True,
+        device=torch.device("cpu"),
+    )
     kernels = {launch.kernel for launch in launches}
     was = driver._active
     driver.set_active(H200())
@@ -225,10 +248,15 @@ def test_the_recorded_launches_compile_with_tritons_warmup_without_a_gpu(tmp_pat
         for launch in launches:
             cache = launch.kernel.device_caches[0][0]
             n = len(cache)
-            real = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
-                         if isinstance(a, torch.Tensor) else a for a in launch.args)  # fmt: skip
-            launch.kernel.warmup(*real, grid=launch.grid, **launch.constexprs,
-                                 **launch.cfg.launch_kwargs())  # fmt: skip
+            real = tuple(
+                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
+                if isinstance(a, torch.Tensor)
+                else a
+                for a in launch.args
+            )
+            launch.kernel.warmup(
+                *real, grid=launch.grid, **launch.constexprs, **launch.cfg.launch_kwargs()
+            )
             assert len(cache) == n, launch.name
     finally:
         driver._active = was
@@ -242,8 +270,9 @@ def test_the_recorded_launches_compile_with_tritons_warmup_without_a_gpu(tmp_pat
 def test_after_the_precompile_a_scan_compiles_nothing(reset):
     dev = torch.device("cuda")
     b, t, h, p, n, s = 2, 512, 4, 64, 64, 16
-    launches = scan_launches(b, t, h, p, n, s, chunk_size=64, dtype=torch.bfloat16,
-                             reset=reset, device=dev)  # fmt: skip
+    launches = scan_launches(
+        b, t, h, p, n, s, chunk_size=64, dtype=torch.bfloat16, reset=reset, device=dev
+    )
     kernels = {launch.kernel for launch in launches}
     for kernel in kernels:  # what earlier tests compiled in this process does not count
         kernel.device_caches.clear()
@@ -260,9 +289,18 @@ def test_after_the_precompile_a_scan_compiles_nothing(reset):
         return torch.randn(*shape, generator=g).to(dev, dtype).requires_grad_()
 
     dt = torch.nn.functional.softplus(r(b, h, t).detach() - 2).requires_grad_()
-    args = dict(q=r(b, t, 1, n, dtype=torch.bfloat16), k=r(b, t, 1, n, dtype=torch.bfloat16),
-                v=None, adt=(-dt.detach() * 0.5).requires_grad_(), dt=dt, trap=r(b, h, t),
-                q_bias=r(h, n), k_bias=r(h, n), angles=r(b, t, 1, s), d=r(h))  # fmt: skip
+    args = dict(
+        q=r(b, t, 1, n, dtype=torch.bfloat16),
+        k=r(b, t, 1, n, dtype=torch.bfloat16),
+        v=None,
+        adt=(-dt.detach() * 0.5).requires_grad_(),
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=r(h, n),
+        k_bias=r(h, n),
+        angles=r(b, t, 1, s),
+        d=r(h),
+    )
     zv = r(b, t, 2, h, p, dtype=torch.bfloat16)
     rst = None
     if reset:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.scan_inputs import slice_time as _slice
+
 from m3run.kernels.mamba3 import mamba3_siso
 
 pytestmark = [
@@ -52,12 +53,15 @@ def make_inputs(b=2, t=100, h=4, p=64, n=64, s=16, g=1, with_d=True, with_z=True
         q=F.rms_norm(r(b, t, g, n), (n,)).to(BF16),
         k=F.rms_norm(r(b, t, g, n), (n,)).to(BF16),
         v=r(b, t, h, p).to(BF16),
-        adt=adt, dt=dt, trap=r(b, h, t),
-        q_bias=1.0 + 0.1 * r(h, n), k_bias=1.0 + 0.1 * r(h, n),
+        adt=adt,
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=1.0 + 0.1 * r(h, n),
+        k_bias=1.0 + 0.1 * r(h, n),
         angles=2.0 * r(b, t, h, s),
         d=r(h) if with_d else None,
         z=r(b, t, h, p).to(BF16) if with_z else None,
-    )  # fmt: skip
+    )
     return {key: None if val is None else val.to(DEV) for key, val in x.items()}
 
 
@@ -94,8 +98,14 @@ def _run(x, state, backend, chunk_size, gy, g_state, f64, reset=None):
     if state is not None:
         st = [(s.detach().double() if f64 else s.detach().clone()).requires_grad_() for s in state]
     args = {key: leaves.get(key) for key in x}
-    y, final = mamba3_siso(**args, chunk_size=chunk_size, initial_state=st,
-                           return_final_state=True, backend=backend, reset=reset)  # fmt: skip
+    y, final = mamba3_siso(
+        **args,
+        chunk_size=chunk_size,
+        initial_state=st,
+        return_final_state=True,
+        backend=backend,
+        reset=reset,
+    )
     dtype = torch.float64 if f64 else torch.float32
     loss = (y.to(dtype) * gy.to(dtype)).sum() + sum(
         (f * g.to(dtype)).sum() for f, g in zip(final, g_state, strict=True)
@@ -112,8 +122,10 @@ def errors(x, chunk_size=64, state=None, seed=7, reset=None) -> dict[str, float]
     n, s = x["k"].shape[3], x["angles"].shape[3]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     gy = torch.randn(b, t, h, p, generator=gen).to(DEV)
-    g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
-               ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))]  # fmt: skip
+    g_state = [
+        torch.randn(*shape, generator=gen).to(DEV)
+        for shape in ((b, h, s), (b, h, p, n), (b, h, n), (b, h, p))
+    ]
     y, fin, grads = _run(x, state, "triton", chunk_size, gy, g_state, False, reset)
     y_r, fin_r, grads_r = _run(x, state, "pytorch", chunk_size, gy, g_state, True, reset)
     out = {
@@ -131,8 +143,15 @@ def errors(x, chunk_size=64, state=None, seed=7, reset=None) -> dict[str, float]
 def check(err: dict[str, float]) -> None:
     # dstate0, the gradient of the carried angle, is the angles' reverse cumsum run to t = 0:
     # an angle gradient, with its bound.
-    bounds = {"y": Y_TOL, "angle_state": ANGLE_TOL, "ssm_state": STATE_TOL, "k_state": STATE_TOL,
-              "v_state": 0.0, "dangles": ANGLE_GRAD_TOL, "dstate0": ANGLE_GRAD_TOL}  # fmt: skip
+    bounds = {
+        "y": Y_TOL,
+        "angle_state": ANGLE_TOL,
+        "ssm_state": STATE_TOL,
+        "k_state": STATE_TOL,
+        "v_state": 0.0,
+        "dangles": ANGLE_GRAD_TOL,
+        "dstate0": ANGLE_GRAD_TOL,
+    }
     bad = {k: v for k, v in err.items() if not v <= bounds.get(k, GRAD_TOL)}
     assert not bad, f"over bound: {bad}; all: {err}"
 
@@ -202,9 +221,12 @@ def reset_mask(b, t, positions, seed=5):
 
 @pytest.mark.parametrize(
     "t,g,chunk_size",
-    [pytest.param(100, 1, 64, id="T100-g1"), pytest.param(100, 4, 32, id="T100-gh-chunk32"),
-     pytest.param(2048, 1, 64, id="T2048-g1")],
-)  # fmt: skip
+    [
+        pytest.param(100, 1, 64, id="T100-g1"),
+        pytest.param(100, 4, 32, id="T100-gh-chunk32"),
+        pytest.param(2048, 1, 64, id="T2048-g1"),
+    ],
+)
 def test_resets_match_reference(t, g, chunk_size):
     """Resets on token 0 (with a carried state), on chunk boundaries of every kernel chunk,
     inside chunks and twice in one chunk: outputs, states and gradients within the bounds."""
@@ -282,8 +304,10 @@ def test_backward_is_deterministic(g):
     st = make_state(2, 4, 64, 64, 16)
     gen = torch.Generator(device="cpu").manual_seed(3)
     gy = torch.randn(2, 1000, 4, 64, generator=gen).to(DEV)
-    g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
-               ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))]  # fmt: skip
+    g_state = [
+        torch.randn(*shape, generator=gen).to(DEV)
+        for shape in ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))
+    ]
     first = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
     second = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
     assert first.keys() == second.keys()
@@ -309,8 +333,10 @@ def test_heads_chunks_and_p_blocks_per_program_give_the_same_gradients(hpp, cpp,
     st = make_state(2, 4, 64, 64, 16)
     gen = torch.Generator(device="cpu").manual_seed(5)
     gy = torch.randn(2, 1000, 4, 64, generator=gen).to(DEV)
-    g_state = [torch.randn(*shape, generator=gen).to(DEV) for shape in
-               ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))]  # fmt: skip
+    g_state = [
+        torch.randn(*shape, generator=gen).to(DEV)
+        for shape in ((2, 4, 16), (2, 4, 64, 64), (2, 4, 64), (2, 4, 64))
+    ]
     plan = triton_siso.plan_for(torch.device(DEV), 64, 64, 64, torch.bfloat16)
     base = _run(x, st, "triton", 64, gy, g_state, f64=False)[2]
     chunk_cfg = dataclasses.replace(

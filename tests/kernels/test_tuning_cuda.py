@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from m3run.kernels.mamba3 import plans as lp
 from m3run.kernels.mamba3.tools import tuning
 

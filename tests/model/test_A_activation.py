@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+
 from m3run.model import Mamba3LM, ModelConfig
 from m3run.model.mixer import A_ACTIVATIONS, Mamba3Mixer
-from safetensors.torch import save_file
 
 F64 = torch.float64
 ACTIVATIONS = ["heavy_tail", "softplus"]

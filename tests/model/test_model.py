@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
+
 from m3run.model import PRESETS, Mamba3LM, ModelConfig
 from m3run.model.lm import document_starts, param_groups, sample
 from m3run.model.loss import linear_cross_entropy
-from pydantic import ValidationError
 
 F64 = torch.float64
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from m3run.model import Mamba3LM, ModelConfig
 
 pytestmark = [

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from m3run.model import Mamba3LM, ModelConfig
 from torch._dynamo.utils import counters
+
+from m3run.model import Mamba3LM, ModelConfig
 
 ON_CUDA = pytest.param(
     "cuda",

@@ -9,10 +9,11 @@ import pytest
 import torch
 from helpers.runs import tiny_run_overrides
 from helpers.training import run_worker
+from typer.testing import CliRunner
+
 from m3run.model import Mamba3LM
 from m3run.runner.cli import app
 from m3run.runner.data.tokenizer import load_tokenizer
-from typer.testing import CliRunner
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,19 @@ def test_an_export_loads_back_and_generates_what_the_checkpoint_generates(
     torch.manual_seed(3)
     ids = model.generate(torch.tensor([prompt]), 12, temperature=0.8, top_k=20)[0, len(prompt) :]
     said = invoke(
-        "generate", trained, "--prompt", "def main(", "--max-new-tokens", 12,
-        "--temperature", 0.8, "--top-k", 20, "--seed", 3,
-    )  # fmt: skip
+        "generate",
+        trained,
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        12,
+        "--temperature",
+        0.8,
+        "--top-k",
+        20,
+        "--seed",
+        3,
+    )
     assert said.exit_code == 0, said.output
     assert said.output.rstrip("\n") == "def main(" + tok.decode(ids.tolist())
 

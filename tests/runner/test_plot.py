@@ -12,9 +12,16 @@ def _train(run_dir, steps, loss_offset: float, t0: float) -> None:
     for s in steps:
         append_jsonl(
             run_dir / METRICS_FILE,
-            {"kind": "train", "step": s, "loss": 10.0 - s / 10 + loss_offset, "lr": 1e-3,
-             "grad_norm": 1.0, "tokens_per_s": 1000.0, "time": t0 + s},
-        )  # fmt: skip
+            {
+                "kind": "train",
+                "step": s,
+                "loss": 10.0 - s / 10 + loss_offset,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "tokens_per_s": 1000.0,
+                "time": t0 + s,
+            },
+        )
 
 
 def test_a_run_resumed_from_an_earlier_step_plots_no_backward_lines(tmp_path):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import psutil
+
 from m3run.runner.procs import process_matches
 
 

@@ -13,6 +13,7 @@ import pytest
 from helpers.launching import launch_argv
 from helpers.runs import REPO, tiny_run_overrides, worker_env
 from helpers.training import worker_cmd
+
 from m3run.runner.files import append_jsonl, atomic_write_json, open_append
 from m3run.runner.protocol import (
     CONFIG_FILE,

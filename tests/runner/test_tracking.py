@@ -13,6 +13,7 @@ import pytest
 from helpers.launching import launch_argv
 from helpers.runs import REPO, tiny_run_overrides, worker_env
 from helpers.training import run_worker
+
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import EXIT_CONFIG, METRICS_FILE
 from m3run.runner.tracking import resolve_tracker, tracker_problem
@@ -83,9 +84,10 @@ def test_a_wandb_run_is_keyed_on_the_run_dir_not_the_config(corpus, tmp_path):
     )
     ids = tmp_path / "ids.jsonl"
     env = worker_env(
-        WANDB_PROJECT="m3", IDS=str(ids),
+        WANDB_PROJECT="m3",
+        IDS=str(ids),
         PYTHONPATH=os.pathsep.join([str(site), str(REPO)]),
-    )  # fmt: skip
+    )
     sets = tiny_run_overrides(corpus, **{"train.total_steps": 2})
     for name in ("a", "b"):
         assert run_worker(tmp_path / name, sets, env=env).returncode == 0

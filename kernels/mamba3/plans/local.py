@@ -37,8 +37,13 @@ PLANS_ENV = "M3RUN_SCAN_PLANS"
 TUNE_COMMAND = "m3run tune-scan CONFIG"
 
 # The sources a plan's timing depends on: the kernels and the launchers that size their grids.
-_SOURCES = ("triton_common.py", "triton_fwd.py", "triton_bwd.py", "triton_bwd_chunk.py",
-            "triton_sums.py")  # fmt: skip
+_SOURCES = (
+    "triton_common.py",
+    "triton_fwd.py",
+    "triton_bwd.py",
+    "triton_bwd_chunk.py",
+    "triton_sums.py",
+)
 _KERNELS_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -109,8 +114,9 @@ class LocalPlans:
         """Read the file again now (after a tune, or with another ``M3RUN_SCAN_PLANS``)."""
         self._entries = self._read(plans_path())
 
-    def store(self, arch: str, keys: list[str], entry: dict, about: dict,
-              path: Path | None = None) -> Path:  # fmt: skip
+    def store(
+        self, arch: str, keys: list[str], entry: dict, about: dict, path: Path | None = None
+    ) -> Path:
         """Merge ``entry`` under ``arch`` for each shape key into the plans file, written
         atomically and fsynced, then read it again. Plans of the file tuned on other kernels
         are dropped. ``about`` (the GPU, when, the shape timed) is kept beside each entry for
@@ -145,16 +151,19 @@ class LocalPlans:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            self._warn_once(path, f"cannot read it ({e}); run `{TUNE_COMMAND}` again to "
-                                  "rewrite it")  # fmt: skip
+            self._warn_once(path, f"cannot read it ({e}); run `{TUNE_COMMAND}` again to rewrite it")
             return {}
         if not isinstance(doc, dict) or not isinstance(doc.get("plans"), dict):
-            self._warn_once(path, f"it is not a plans file; run `{TUNE_COMMAND}` again to "
-                                  "rewrite it")  # fmt: skip
+            self._warn_once(
+                path, f"it is not a plans file; run `{TUNE_COMMAND}` again to rewrite it"
+            )
             return {}
         if doc.get("fingerprint") != fingerprint():
-            self._warn_once(path, "they were tuned on other kernels or another Triton version; "
-                                  f"run `{TUNE_COMMAND}` again on this GPU")  # fmt: skip
+            self._warn_once(
+                path,
+                "they were tuned on other kernels or another Triton version; "
+                f"run `{TUNE_COMMAND}` again on this GPU",
+            )
             return {}
         entries = {}
         for arch, shapes in doc["plans"].items():
@@ -163,6 +172,9 @@ class LocalPlans:
                 if why is None:
                     entries[(arch, key)] = entry
                 else:
-                    self._warn_once(path, f"the plan for {arch} {key} is not usable ({why}); "
-                                          f"run `{TUNE_COMMAND}` again")  # fmt: skip
+                    self._warn_once(
+                        path,
+                        f"the plan for {arch} {key} is not usable ({why}); "
+                        f"run `{TUNE_COMMAND}` again",
+                    )
         return entries

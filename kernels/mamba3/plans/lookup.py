@@ -53,8 +53,9 @@ class LaunchPlans:
             cap = self._capabilities[index] = torch.cuda.get_device_capability(index)
         return f"sm{cap[0]}{cap[1]}"
 
-    def plan_for(self, device: torch.device, p: int, n: int, chunk_size: int,
-                 dtype: torch.dtype) -> Plan:  # fmt: skip
+    def plan_for(
+        self, device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype
+    ) -> Plan:
         """The plan a call runs under: one forced on the process (:meth:`forcing`, the
         tuner's), else the tuned plan for this GPU architecture and shape (:meth:`source` says
         from where), else the defaults, logged once: :func:`untuned_plan`. The interpreter and
@@ -74,8 +75,9 @@ class LaunchPlans:
         self._seen[seen_key] = (local, plan)
         return plan
 
-    def source(self, device: torch.device, p: int, n: int, chunk_size: int,
-               dtype: torch.dtype) -> str:  # fmt: skip
+    def source(
+        self, device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype
+    ) -> str:
         """Where :meth:`plan_for` takes this shape's plan from on ``device``, in words (for the
         smoke test's report): this machine's tuned plans, the checked-in table, or the defaults
         and how to tune them."""
@@ -86,12 +88,14 @@ class LaunchPlans:
         if found is None:
             return _untuned_message(arch, key)
         plan, local = found
-        where = (f"tuned on this machine ({plans_path()})" if local
-                 else "the checked-in launch table")  # fmt: skip
+        where = (
+            f"tuned on this machine ({plans_path()})" if local else "the checked-in launch table"
+        )
         return f"{where} ({arch} {key}, chunk {plan.chunk})"
 
-    def has_tuned(self, device: torch.device, p: int, n: int, chunk_size: int,
-                  dtype: torch.dtype) -> bool:  # fmt: skip
+    def has_tuned(
+        self, device: torch.device, p: int, n: int, chunk_size: int, dtype: torch.dtype
+    ) -> bool:
         """Whether this shape has a tuned plan on ``device`` (this machine's or the table's)."""
         arch, key = self.arch_key(device), shape_key(Tiles.of(p, n, chunk_size), dtype)
         return self.tuned(arch, key) is not None
@@ -134,9 +138,11 @@ class LaunchPlans:
 
 
 def _untuned_message(arch: str, key: str) -> str:
-    return (f"no tuned launch plan for {arch} {key} (neither in kernels/mamba3/plans/table.py "
-            f"nor in {plans_path()}): running the defaults, slower; run `{TUNE_COMMAND}` on "
-            "this GPU once to tune them")  # fmt: skip
+    return (
+        f"no tuned launch plan for {arch} {key} (neither in kernels/mamba3/plans/table.py "
+        f"nor in {plans_path()}): running the defaults, slower; run `{TUNE_COMMAND}` on "
+        "this GPU once to tune them"
+    )
 
 
 # The process's launch plans. Reached through the functions below at every call (never bound at

@@ -65,8 +65,10 @@ def untuned_plan(chunk_size: int) -> Plan:
 
 def entry_configs(entry: dict) -> dict[str, LaunchConfig]:
     """A table entry's configuration of every kernel, the default where it names none."""
-    return {name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
-            for name in KERNELS}  # fmt: skip
+    return {
+        name: LaunchConfig(**entry[name]) if name in entry else DEFAULT_CONFIGS[name]
+        for name in KERNELS
+    }
 
 
 def entry_plan(entry: dict) -> Plan:

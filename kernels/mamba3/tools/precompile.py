@@ -47,8 +47,12 @@ class Launch:
         """What Triton compiles one kernel for: the kernel, its constexprs and launch options,
         and each argument as Triton specialises it (a tensor by dtype and 16-byte alignment, an
         integer by being 1 or a multiple of 16, anything else by value)."""
-        return (self.kernel, tuple(sorted(self.constexprs.items())), self.cfg,
-                tuple(_specialised(a) for a in self.args))  # fmt: skip
+        return (
+            self.kernel,
+            tuple(sorted(self.constexprs.items())),
+            self.cfg,
+            tuple(_specialised(a) for a in self.args),
+        )
 
     def run(self, cfg: LaunchConfig | None = None) -> None:
         """Launch it again on its arguments, under ``cfg`` where given (the tuner's candidate)."""
@@ -66,9 +70,20 @@ def _specialised(arg) -> object:
     return ("value", arg)
 
 
-def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
-                  chunk_size: int, dtype: torch.dtype, reset: bool, device: torch.device,
-                  ) -> list[Launch]:  # fmt: skip
+def scan_launches(
+    b: int,
+    t: int,
+    h: int,
+    p: int,
+    n: int,
+    s: int,
+    *,
+    g: int = 1,
+    chunk_size: int,
+    dtype: torch.dtype,
+    reset: bool,
+    device: torch.device,
+) -> list[Launch]:
     """The launches of the scan's forward with saves, its backward and its forward without
     saves, called as the model's mixer calls it: q, k (b, t, g, n) and z, x packed (b, t, 2, h,
     p) in ``dtype``; Δ, A·Δ and λ̃ (b, h, t), the biases (h, n), one set of angles for every head
@@ -88,8 +103,22 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
     rst = torch.zeros(b, t, dtype=torch.bool, device=meta) if reset else None
 
     def scan():
-        return mamba3_siso_triton(q, k, None, adt, dt_, trap, q_bias, k_bias, angles, d, None,
-                                  chunk_size=chunk_size, reset=rst, zv=zv)  # fmt: skip
+        return mamba3_siso_triton(
+            q,
+            k,
+            None,
+            adt,
+            dt_,
+            trap,
+            q_bias,
+            k_bias,
+            angles,
+            d,
+            None,
+            chunk_size=chunk_size,
+            reset=rst,
+            zv=zv,
+        )
 
     launching.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
@@ -103,8 +132,9 @@ def scan_launches(b: int, t: int, h: int, p: int, n: int, s: int, *, g: int = 1,
     return launches
 
 
-def precompile(launches: list[Launch], device: torch.device,
-               threads: int | None = None) -> Future[str]:  # fmt: skip
+def precompile(
+    launches: list[Launch], device: torch.device, threads: int | None = None
+) -> Future[str]:
     """Compile each distinct launch with Triton's ``warmup`` on ``threads`` daemon threads (at
     most one a launch and one a CPU), the CUDA ``device`` current on each. Returns at once; the
     future holds a one-line summary when every compile has ended, or the first error. Daemon
@@ -134,8 +164,12 @@ def precompile(launches: list[Launch], device: torch.device,
                 except queue.Empty:
                     break
                 try:
-                    launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs,
-                                         **launch.cfg.launch_kwargs())  # fmt: skip
+                    launch.kernel.warmup(
+                        *launch.args,
+                        grid=launch.grid,
+                        **launch.constexprs,
+                        **launch.cfg.launch_kwargs(),
+                    )
                 except Exception as e:  # reported through the future, never raised here
                     errors.append(RuntimeError(f"compiling {launch.name} failed: {e}"))
         except Exception as e:
@@ -148,8 +182,10 @@ def precompile(launches: list[Launch], device: torch.device,
                 if errors:
                     done.set_exception(errors[0])
                 else:
-                    done.set_result(f"{len(distinct)} scan kernels compiled in "
-                                    f"{time.perf_counter() - t0:.1f} s on {n} threads")  # fmt: skip
+                    done.set_result(
+                        f"{len(distinct)} scan kernels compiled in "
+                        f"{time.perf_counter() - t0:.1f} s on {n} threads"
+                    )
 
     launching.compiling_ahead(done)  # a scan launched meanwhile waits for it
     for i in range(n):

@@ -57,8 +57,10 @@ class KernelReport:
         if self.registers > MAX_REGS_PER_THREAD:
             return f"{self.kernel}: {self.registers} registers > {MAX_REGS_PER_THREAD}"
         if self.registers * self.threads > REGS_PER_SM:
-            return (f"{self.kernel}: {self.registers} registers × {self.threads} threads > "
-                    f"{REGS_PER_SM} per SM")  # fmt: skip
+            return (
+                f"{self.kernel}: {self.registers} registers × {self.threads} threads > "
+                f"{REGS_PER_SM} per SM"
+            )
         return None
 
     def line(self) -> str:
@@ -135,9 +137,19 @@ def compile_kernel(kernel, args: tuple, constexprs: dict, cfg: lp.LaunchConfig, 
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype=torch.bfloat16,
-                    cfgs: dict[str, lp.LaunchConfig] | None = None,
-                    per_head_qk: bool = False):  # fmt: skip
+def record_launches(
+    b=2,
+    t=256,
+    h=4,
+    p=64,
+    n=64,
+    s=16,
+    g=1,
+    chunk_size=64,
+    dtype=torch.bfloat16,
+    cfgs: dict[str, lp.LaunchConfig] | None = None,
+    per_head_qk: bool = False,
+):
     """Run the forward and backward launchers on meta tensors; returns every launch they make
     (:class:`~m3run.kernels.mamba3.tools.precompile.Launch`), with d, z, an initial state and resets
     present (the largest variant of each kernel); q, k in g groups, or with ``per_head_qk`` one
@@ -160,12 +172,47 @@ def record_launches(b=2, t=256, h=4, p=64, n=64, s=16, g=1, chunk_size=64, dtype
     launches: list[Launch] = []
     launching.set_recorder(lambda *launch: launches.append(Launch(*launch)))
     try:
-        _, _, _, g_in, phi_in = siso_fwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d,
-                                         phi0, g0, seg, chunk_size, True,
-                                         cfgs["fwd"])  # fmt: skip
+        _, _, _, g_in, phi_in = siso_fwd(
+            q,
+            k,
+            v,
+            z,
+            adt,
+            dt,
+            trap,
+            q_bias,
+            k_bias,
+            angles,
+            d,
+            phi0,
+            g0,
+            seg,
+            chunk_size,
+            True,
+            cfgs["fwd"],
+        )
         dg_t, dphi_t = torch.empty(b, h, p, n, **m), torch.empty(b, h, s, **m)
-        siso_bwd(q, k, v, z, adt, dt, trap, q_bias, k_bias, angles, d, seg, g_in, phi_in, dy,
-                 dg_t, dphi_t, chunk_size, cfgs)  # fmt: skip
+        siso_bwd(
+            q,
+            k,
+            v,
+            z,
+            adt,
+            dt,
+            trap,
+            q_bias,
+            k_bias,
+            angles,
+            d,
+            seg,
+            g_in,
+            phi_in,
+            dy,
+            dg_t,
+            dphi_t,
+            chunk_size,
+            cfgs,
+        )
     finally:
         launching.set_recorder(None)
     return launches
@@ -177,10 +224,13 @@ def report(arch: int, plan: lp.Plan, **shape) -> list[KernelReport]:
     forms the bias partials itself, the head sum's work with grouped q, k)."""
     out = []
     launches = record_launches(cfgs=plan.configs, chunk_size=plan.chunk, **shape)
-    launches += [dataclasses.replace(launch, name=f"{launch.name}/h")
-                 for launch in record_launches(cfgs=plan.configs, chunk_size=plan.chunk,
-                                               per_head_qk=True, **shape)
-                 if launch.name == "bwd_chunk"]  # fmt: skip
+    launches += [
+        dataclasses.replace(launch, name=f"{launch.name}/h")
+        for launch in record_launches(
+            cfgs=plan.configs, chunk_size=plan.chunk, per_head_qk=True, **shape
+        )
+        if launch.name == "bwd_chunk"
+    ]
     for launch in launches:
         ck = compile_kernel(launch.kernel, launch.args, launch.constexprs, launch.cfg, arch)
         res = _ptxas(ck.asm["ptx"], arch)

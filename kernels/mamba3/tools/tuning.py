@@ -98,8 +98,10 @@ class Shape:
 
     def describe(self) -> str:
         name = lp.dtype_name(self.dtype)
-        return (f"b{self.b} t{self.t} h{self.h} p{self.p} n{self.n} s{self.s} g{self.g} {name}"
-                f"{', resets' if self.reset else ''}")  # fmt: skip
+        return (
+            f"b{self.b} t{self.t} h{self.h} p{self.p} n{self.n} s{self.s} g{self.g} {name}"
+            f"{', resets' if self.reset else ''}"
+        )
 
 
 def scan_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -118,10 +120,14 @@ def scan_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict[str, 
         q=F.rms_norm(r(b, t, g, n), (n,)).to(shape.dtype),
         k=F.rms_norm(r(b, t, g, n), (n,)).to(shape.dtype),
         zv=r(b, t, 2, h, p).to(shape.dtype),
-        adt=-F.softplus(r(b, h, t)) * dt, dt=dt, trap=r(b, h, t),
-        q_bias=torch.ones(h, n), k_bias=torch.ones(h, n),
-        angles=r(b, t, 1, s), d=torch.ones(h),
-    )  # fmt: skip
+        adt=-F.softplus(r(b, h, t)) * dt,
+        dt=dt,
+        trap=r(b, h, t),
+        q_bias=torch.ones(h, n),
+        k_bias=torch.ones(h, n),
+        angles=r(b, t, 1, s),
+        d=torch.ones(h),
+    )
     out = {key: val.to(device).requires_grad_() for key, val in x.items()}
     if shape.reset:
         reset = torch.zeros(b, t, dtype=torch.bool)
@@ -131,9 +137,22 @@ def scan_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict[str, 
 
 
 def _scan(x: dict, chunk: int) -> torch.Tensor:
-    return mamba3_siso_triton(x["q"], x["k"], None, x["adt"], x["dt"], x["trap"], x["q_bias"],
-                              x["k_bias"], x["angles"], x["d"], None, chunk_size=chunk,
-                              reset=x.get("reset"), zv=x["zv"])  # fmt: skip
+    return mamba3_siso_triton(
+        x["q"],
+        x["k"],
+        None,
+        x["adt"],
+        x["dt"],
+        x["trap"],
+        x["q_bias"],
+        x["k_bias"],
+        x["angles"],
+        x["d"],
+        None,
+        chunk_size=chunk,
+        reset=x.get("reset"),
+        zv=x["zv"],
+    )
 
 
 def forward_backward(x: dict, plan: lp.Plan) -> None:
@@ -164,8 +183,12 @@ def record(x: dict, plan: lp.Plan) -> dict[str, Launch]:
 
 def _plans(chunks: list[int], names, start_for, candidates) -> list[tuple[str, lp.Plan]]:
     """(kernel, plan) for every candidate of every kernel at every chunk."""
-    return [(name, lp.Plan(chunk, dict(start_for(chunk), **{name: cfg})))
-            for chunk in chunks for name in names for cfg in candidates[name]]  # fmt: skip
+    return [
+        (name, lp.Plan(chunk, dict(start_for(chunk), **{name: cfg})))
+        for chunk in chunks
+        for name in names
+        for cfg in candidates[name]
+    ]
 
 
 def compile_candidates(shape: Shape, device: torch.device, plans, log=print) -> None:
@@ -174,9 +197,19 @@ def compile_candidates(shape: Shape, device: torch.device, plans, log=print) -> 
     launches: list[Launch] = []
     for name, plan in plans:
         with lp.launch_plans().forcing(plan):
-            recorded = scan_launches(shape.b, shape.t, shape.h, shape.p, shape.n, shape.s,
-                                     g=shape.g, chunk_size=plan.chunk, dtype=shape.dtype,
-                                     reset=shape.reset, device=device)  # fmt: skip
+            recorded = scan_launches(
+                shape.b,
+                shape.t,
+                shape.h,
+                shape.p,
+                shape.n,
+                shape.s,
+                g=shape.g,
+                chunk_size=plan.chunk,
+                dtype=shape.dtype,
+                reset=shape.reset,
+                device=device,
+            )
         keep = {name, FOLLOWERS.get(name)}
         launches += [launch for launch in recorded if launch.name in keep]
     t0 = time.perf_counter()
@@ -194,8 +227,15 @@ def cuda_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def tune(x: dict, chunk: int, names=lp.KERNELS, start: dict | None = None, log=print,
-         timer: Timer = cuda_timer, candidates=None) -> tuple[float, dict[str, dict]]:  # fmt: skip
+def tune(
+    x: dict,
+    chunk: int,
+    names=lp.KERNELS,
+    start: dict | None = None,
+    log=print,
+    timer: Timer = cuda_timer,
+    candidates=None,
+) -> tuple[float, dict[str, dict]]:
     """Time each kernel of ``names`` alone under each candidate at this chunk, the others under
     ``start`` (the defaults when None); returns the sum of the best times (ms) and {kernel: best
     config as a dict}. A candidate that changes a launch's grid, buffers or flags is recorded
@@ -207,8 +247,10 @@ def tune(x: dict, chunk: int, names=lp.KERNELS, start: dict | None = None, log=p
     best, total = {}, 0.0
     for name in names:
         if name not in base:  # every scan launches all four: a miss is a recording that failed
-            raise RuntimeError(f"the recorded forward and backward launched no {name} kernel "
-                               f"(recorded: {sorted(base)})")  # fmt: skip
+            raise RuntimeError(
+                f"the recorded forward and backward launched no {name} kernel "
+                f"(recorded: {sorted(base)})"
+            )
         times = []
         for cfg in candidates[name]:
             try:
@@ -231,8 +273,9 @@ def tune(x: dict, chunk: int, names=lp.KERNELS, start: dict | None = None, log=p
     return total, best
 
 
-def _timed_call(name: str, launches: dict[str, Launch], cfg: lp.LaunchConfig,
-                follow: bool = True) -> tuple[Callable, str]:  # fmt: skip
+def _timed_call(
+    name: str, launches: dict[str, Launch], cfg: lp.LaunchConfig, follow: bool = True
+) -> tuple[Callable, str]:
     """The kernel's launch under ``cfg`` on its recorded arguments, with what must follow it
     (``follow``: its follower too)."""
     launch = launches[name]
@@ -265,9 +308,18 @@ class Tuned:
     seconds: float
 
 
-def tune_shape(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
-               names=lp.KERNELS, start_for=None, baseline: lp.Plan | None = None, log=print,
-               timer: Timer = cuda_timer, candidates=None) -> Tuned:  # fmt: skip
+def tune_shape(
+    shape: Shape,
+    device: torch.device,
+    *,
+    chunks=tc.CHUNK_SIZES,
+    names=lp.KERNELS,
+    start_for=None,
+    baseline: lp.Plan | None = None,
+    log=print,
+    timer: Timer = cuda_timer,
+    candidates=None,
+) -> Tuned:
     """Tune every kernel of ``names`` at each chunk (the others, and the starting point, under
     ``start_for(chunk)``: the defaults when None) and keep the chunk whose kernels sum fastest.
     The entry names every kernel's configuration. Its forward+backward is timed against
@@ -301,8 +353,10 @@ def kernels_ms(x: dict, plan: lp.Plan, timer: Timer = cuda_timer) -> float:
     host's time where it is the longer (the host's launch overhead can exceed the kernels' time,
     docs/benchmarks.md) and say less of the plans than they differ by."""
     launches = record(x, plan)
-    return sum(timer(_timed_call(name, launches, launch.cfg, follow=False)[0])
-               for name, launch in launches.items())  # fmt: skip
+    return sum(
+        timer(_timed_call(name, launches, launch.cfg, follow=False)[0])
+        for name, launch in launches.items()
+    )
 
 
 def summary(t: Tuned) -> str:
@@ -313,9 +367,16 @@ def summary(t: Tuned) -> str:
     )
 
 
-def tune_and_store(shape: Shape, device: torch.device, *, chunks=tc.CHUNK_SIZES,
-                   baseline: lp.Plan | None = None, log=print, path: Path | None = None,
-                   **search) -> tuple[Tuned, Path]:  # fmt: skip
+def tune_and_store(
+    shape: Shape,
+    device: torch.device,
+    *,
+    chunks=tc.CHUNK_SIZES,
+    baseline: lp.Plan | None = None,
+    log=print,
+    path: Path | None = None,
+    **search,
+) -> tuple[Tuned, Path]:
     """Tune ``shape`` on ``device`` (:func:`tune_shape`, which takes ``search``'s timer and
     candidates) and store the plan in this machine's plans (``path``: the plans file, by
     default plans.plans_path()) for every caller chunk of the shape, with the GPU, the

@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from helpers.training import train_losses, worker_cmd
+
 from m3run.runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
 from m3run.runner.checkpoint.layout import (
     CheckpointError,
@@ -370,9 +371,20 @@ def test_nan_rollback_waits_for_the_write_in_flight(corpus, tmp_path):
 def test_under_torchrun_every_rank_waits_for_the_background_write(corpus, tmp_path):
     run_dir = tmp_path / "run"
     ov = _overrides(corpus, **{"train.total_steps": 12, "train.grad_accum_steps": 2})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--max-restarts", "0", "-m", "m3run.runner.train", str(DEMO_CONFIG),
-           "--run-dir", str(run_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "-m",
+        "m3run.runner.train",
+        str(DEMO_CONFIG),
+        "--run-dir",
+        str(run_dir),
+    ]
     for o in ov:
         cmd += ["--set", o]
     r = subprocess.run(cmd, env=_env("slow_save=1.0"), capture_output=True, text=True, timeout=300)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from m3run.runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
 from m3run.runner.checkpoint.layout import (
     VERIFIED_FILE,

@@ -17,6 +17,7 @@ from helpers.run_dirs import invoke, write_run
 from helpers.runs import DEMO_CONFIG as DEMO
 from helpers.runs import REPO
 from helpers.supervision import FAST
+
 from m3run.runner import runstate
 from m3run.runner.files import read_json
 from m3run.runner.protocol import (
@@ -394,14 +395,23 @@ def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
     # The run finishes once three frames were read, whatever the machine's pace.
     run_dir = write_run(tmp_path / "r")
     watch = subprocess.Popen(
-        [sys.executable, "-m", "m3run.runner.cli", "status", str(run_dir), "--watch", "--interval",
-         "0.2", "--no-gpu"],
+        [
+            sys.executable,
+            "-m",
+            "m3run.runner.cli",
+            "status",
+            str(run_dir),
+            "--watch",
+            "--interval",
+            "0.2",
+            "--no-gpu",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     try:
         seen: list[str] = []
         while sum(line.startswith("phase      ") for line in seen) < 3:

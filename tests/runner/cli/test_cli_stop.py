@@ -14,6 +14,7 @@ import psutil
 from helpers.run_dirs import invoke, write_run
 from helpers.runs import REPO
 from helpers.supervision import make_run, spawn_driver, wait_for
+
 from m3run.runner import stopping
 from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import (

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
+
 from m3run.model.config import PRESETS, ModelConfig
 from m3run.runner.config import (
     ConfigError,
@@ -24,7 +26,6 @@ from m3run.runner.config import (
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import EVENTS_FILE
 from m3run.runner.supervisor.launch import LaunchError, LaunchOptions, freeze_config
-from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "configs"
@@ -77,8 +78,13 @@ def test_a100_recipe_numbers():
     assert (cfg.eval.interval_steps, cfg.eval.steps) == (2000, 20)
     assert (cfg.data.train_path, cfg.data.val_path) == (None, "/data/fineweb/val")
     mix = {Path(s.path).parent.name: s.weight for s in cfg.data.sources}
-    assert mix == {"fineweb-edu": 0.50, "fineweb": 0.20, "the-stack-python": 0.15,
-                   "openmath": 0.10, "arxiv": 0.05}  # fmt: skip
+    assert mix == {
+        "fineweb-edu": 0.50,
+        "fineweb": 0.20,
+        "the-stack-python": 0.15,
+        "openmath": 0.10,
+        "arxiv": 0.05,
+    }
 
 
 def test_demo_recipe_numbers():
@@ -91,12 +97,18 @@ def test_demo_recipe_numbers():
     )
     assert (cfg.data.seq_len, t.micro_batch_size, t.grad_accum_steps) == (256, 8, 1)
     assert (t.total_steps, t.lr, t.warmup_steps, t.schedule, t.min_lr_ratio) == (
-        300, 3e-3, 30, "cosine", 0.1
-    )  # fmt: skip
+        300,
+        3e-3,
+        30,
+        "cosine",
+        0.1,
+    )
     assert (t.precision, t.device, t.compile, t.seed) == ("fp32", "cpu", False, 1234)
     assert (cfg.checkpoint.interval_steps, cfg.checkpoint.keep_last, cfg.log.interval_steps) == (
-        50, 3, 10
-    )  # fmt: skip
+        50,
+        3,
+        10,
+    )
     assert (cfg.eval.interval_steps, cfg.eval.steps) == (100, 4)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.tokens import documents_on_disk
 from helpers.tokens import stream as read_stream
+
 from m3run.runner.data.loader import BatchLoader, TokenWindows, check_vocab, eval_batches
 from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.prepare import prepare_data

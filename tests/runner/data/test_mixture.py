@@ -13,13 +13,14 @@ import torch
 from helpers.runs import tiny_run_overrides
 from helpers.tokens import text
 from helpers.training import run_worker, sigterm_worker_at, train_losses
+from safetensors.torch import load_file
+
 from m3run.runner.checkpoint.layout import latest_complete
 from m3run.runner.data.loader import BatchLoader
 from m3run.runner.data.manifest import DataError
 from m3run.runner.data.mixture import MixtureLoader, Source
 from m3run.runner.data.prepare import prepare_data
 from m3run.runner.files import read_jsonl
-from safetensors.torch import load_file
 
 SEQ, MBS = 16, 4
 

@@ -8,7 +8,6 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import m3run.runner.data.prepare
 import numpy as np
 import pytest
 from helpers.tokens import (
@@ -18,6 +17,8 @@ from helpers.tokens import (
     tiny_inputs,
     val_fraction_of,
 )
+
+import m3run.runner.data.prepare
 from m3run.runner.data.loader import BatchLoader
 from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.prepare import prepare_data

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from helpers.tokens import decoded_documents, text
+
 from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.prepare import prepare_data
 
@@ -285,9 +286,15 @@ def test_prepare_cli_exits_78_naming_an_unrecognised_file(docs, tokenizer, tmp_p
 
     # --skip-bad: a printed warning, a count, the rest prepared, exit 0.
     result = _cli(
-        str(folder), "--out", str(tmp_path / "o"), "--tokenizer", tokenizer, "--skip-bad",
-        "--progress-interval", "0",
-    )  # fmt: skip
+        str(folder),
+        "--out",
+        str(tmp_path / "o"),
+        "--tokenizer",
+        tokenizer,
+        "--skip-bad",
+        "--progress-interval",
+        "0",
+    )
     assert result.returncode == 0, result.stderr
     assert f"warning: skipping {blob} (is not recognised" in result.stderr
     assert "prepare-data: tokenising done:" in result.stderr  # progress lines off a terminal
@@ -328,11 +335,26 @@ def test_progress_lines_off_a_terminal(docs, tokenizer, tmp_path, capsys):
 
 def test_tokenizer_training_reports_progress_off_a_terminal(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "m3run.runner.cli", "prepare-data", "stdlib", "--tokenizer",
-         "bpe:300", "--max-bytes", "200000", "--progress-interval", "0", "--out",
-         str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "m3run.runner.cli",
+            "prepare-data",
+            "stdlib",
+            "--tokenizer",
+            "bpe:300",
+            "--max-bytes",
+            "200000",
+            "--progress-interval",
+            "0",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     # Lines while the trainer reads the corpus, each further along (not one at its end).
     during = {

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from m3run.runner.health.checks import (
     HealthReport,
     check_gpu_health,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.checkpoint_dirs import corrupt, write_checkpoint, write_torn
+
 from m3run.runner.checkpoint.layout import checkpoint_dir
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import EVENTS_FILE

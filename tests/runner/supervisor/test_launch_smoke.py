@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers.launching import Run, overrides
+
 from m3run.runner.files import read_jsonl
 from m3run.runner.protocol import EVENTS_FILE, EXIT_OK
 from m3run.runner.supervisor.preflight import SmokeTest

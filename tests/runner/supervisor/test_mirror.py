@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
+from safetensors.torch import load_file
+
 from m3run.runner.checkpoint.io import save_checkpoint
 from m3run.runner.checkpoint.layout import (
     checkpoint_dir,
@@ -28,7 +30,6 @@ from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import EXIT_STOPPED
 from m3run.runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, read_lag
 from m3run.runner.supervisor.mirror_upload import MirrorUploader
-from safetensors.torch import load_file
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")

@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 from helpers.metadata_server import FakeMetadataServer
+
 from m3run.runner.supervisor.preemption import (
     PROVIDERS,
     Notice,

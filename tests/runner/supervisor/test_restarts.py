@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from helpers.checkpoint_dirs import write_checkpoint
 from helpers.supervision import settings
+
 from m3run.runner.protocol import EXIT_NAN, EXIT_STOPPED
 from m3run.runner.supervisor import restarts
 from m3run.runner.supervisor.checkpoints import CheckpointTracker, LrCut

@@ -5,6 +5,7 @@ own: what it does when no arguments come. The hand-over of a run to a spare is a
 from __future__ import annotations
 
 from helpers.runs import worker_env
+
 from m3run.runner.protocol import WORKER_LOG
 from m3run.runner.supervisor.spare import WarmSpare
 

@@ -27,6 +27,7 @@ from helpers.supervision import (
     unrelated_process,
     wait_for,
 )
+
 from m3run.runner.checkpoint.layout import (
     META_FILE,
     VERIFIED_FILE,
@@ -409,8 +410,9 @@ def test_a_checkpoint_too_slow_for_a_preemption_notice_is_warned_about_once(
     save on a notice: one warning event names the numbers and the fixes; 2 s fits, no event."""
     from helpers.metadata_server import FakeMetadataServer
 
-    run_dir = make_run(tmp_path, [{"steps": 12, "step_time": 0.1, "ckpt_every": 3,
-                                   "write_s": write_s}])  # fmt: skip
+    run_dir = make_run(
+        tmp_path, [{"steps": 12, "step_time": 0.1, "ckpt_every": 3, "write_s": write_s}]
+    )
     with FakeMetadataServer("gcp") as srv:
         sup = Supervisor(
             run_dir,
@@ -440,11 +442,13 @@ def test_stop_during_backoff_needs_no_worker(tmp_path, standin):
 
     def stop_in_the_backoff():  # the second restart in a row waits 30 s
         wait_for(
-            lambda: any(e["event"] == "restart" and e["backoff_s"] == 30.0
-                        for e in read_jsonl(run_dir / EVENTS_FILE)),
+            lambda: any(
+                e["event"] == "restart" and e["backoff_s"] == 30.0
+                for e in read_jsonl(run_dir / EVENTS_FILE)
+            ),
             timeout=60,
             what="a restart that waits 30 s",
-        )  # fmt: skip
+        )
         sup.request_stop("user", "test stop")
 
     threading.Thread(target=stop_in_the_backoff, daemon=True).start()

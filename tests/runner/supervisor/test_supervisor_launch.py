@@ -23,6 +23,7 @@ from helpers.supervision import (
     supervise,
     wait_for,
 )
+
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.cli.report import full_status
 from m3run.runner.files import read_json, read_jsonl

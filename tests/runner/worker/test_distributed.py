@@ -14,13 +14,25 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun_worker(run_dir, overrides, nproc=2, env=None, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", "0", "-m", "m3run.runner.train", str(DEMO_CONFIG),
-           "--run-dir", str(run_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        "-m",
+        "m3run.runner.train",
+        str(DEMO_CONFIG),
+        "--run-dir",
+        str(run_dir),
+    ]
     for o in overrides:
         cmd += ["--set", o]
-    return subprocess.run(cmd, env=env or worker_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +82,31 @@ def test_two_supervisors_form_a_two_node_job_through_c10d(one, tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = []
     for rank in (0, 1):
-        cmd = [sys.executable, "-m", "m3run.runner.cli", "launch", str(DEMO_CONFIG),
-               "--run-dir", str(tmp_path / f"node{rank}")]  # fmt: skip
-        for o in [*ov, "distributed.nnodes=2", f"distributed.node_rank={rank}",
-                  f"distributed.rdzv_endpoint={endpoint}", "distributed.rdzv_id=job1",
-                  "supervisor.smoke=false", "distributed.timeout_s=60"]:  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "m3run.runner.cli",
+            "launch",
+            str(DEMO_CONFIG),
+            "--run-dir",
+            str(tmp_path / f"node{rank}"),
+        ]
+        for o in [
+            *ov,
+            "distributed.nnodes=2",
+            f"distributed.node_rank={rank}",
+            f"distributed.rdzv_endpoint={endpoint}",
+            "distributed.rdzv_id=job1",
+            "supervisor.smoke=false",
+            "distributed.timeout_s=60",
+        ]:
             cmd += ["--set", o]
         env = worker_env()
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]

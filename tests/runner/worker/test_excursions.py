@@ -9,6 +9,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 from helpers.checkpoint_dirs import corrupt, write_checkpoint, write_torn
+
 from m3run.runner.checkpoint.layout import checkpoint_dir
 from m3run.runner.config import TrainConfig
 from m3run.runner.worker.dist import Dist

@@ -7,6 +7,7 @@ import time
 
 from helpers.runs import tiny_run_overrides, worker_env
 from helpers.training import run_worker
+
 from m3run.runner.worker.preimport import import_in_background
 
 
@@ -45,9 +46,13 @@ def test_a_compiled_deterministic_worker_sets_up_while_the_stack_is_imported(cor
     and deterministic on; TORCHDYNAMO_DISABLE keeps its steps eager (CI has no compiler)."""
     ov = tiny_run_overrides(
         corpus,
-        **{"train.compile": "true", "train.deterministic": "true", "train.total_steps": 2,
-           "checkpoint.interval_steps": 2},
-    )  # fmt: skip
+        **{
+            "train.compile": "true",
+            "train.deterministic": "true",
+            "train.total_steps": 2,
+            "checkpoint.interval_steps": 2,
+        },
+    )
     r = run_worker(tmp_path / "run", ov, env=worker_env(TORCHDYNAMO_DISABLE="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "partially initialized" not in r.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
+
 from m3run.runner.config import load_config
 from m3run.runner.worker.trainer import Trainer
 

@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides
+from torch._dynamo.utils import counters
+
 from m3run.runner.config import load_config
 from m3run.runner.data.mixture import train_loader
 from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE
 from m3run.runner.worker.build import build_model, compile_for_training
 from m3run.runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
-from torch._dynamo.utils import counters
 
 
 def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
@@ -26,9 +27,14 @@ def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
     by_name = {c.name: c for c in result.checks}
     for name in ("CUDA and bf16", "peak memory of one micro-batch"):
         assert by_name[name].status == "skipped" and "no CUDA device" in by_name[name].message
-    for name in ("data readable", "model forward/backward", "scan backend on every block",
-                 "scan parity with the reference", "one optimizer step lowers the loss",
-                 "checkpoint save/verify/load"):  # fmt: skip
+    for name in (
+        "data readable",
+        "model forward/backward",
+        "scan backend on every block",
+        "scan parity with the reference",
+        "one optimizer step lowers the loss",
+        "checkpoint save/verify/load",
+    ):
         assert by_name[name].status == "ok", by_name[name]
     # data.reset_at_eos is on by default: the parity check covers the resets training uses.
     assert "recurrent reference with resets" in by_name["scan parity with the reference"].message
@@ -91,8 +97,10 @@ def test_the_smoke_child_leaves_its_verdict_its_output_and_its_exit_code(corpus,
     run_dir.mkdir()
     child = subprocess.run(
         [sys.executable, "-m", "m3run.runner.worker.smoke", str(config), "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     verdict = json.loads((run_dir / SMOKE_FILE).read_text())
     lines = child.stdout.splitlines()
     numbers = [f"  [{n}/{len(CHECKS)}]" for n in range(1, len(CHECKS) + 1)]
@@ -125,8 +133,14 @@ def test_with_train_compile_check_3_runs_the_compiled_step_and_nothing_else_comp
         counters.clear()
         model = build_model(cfg, torch.device("cpu"))
         step = compile_for_training(model, cfg.train, backend="aot_eager")
-        loader = train_loader(cfg.data.train_path, None, cfg.data.seq_len,
-                              cfg.train.micro_batch_size, cfg.train.seed, prefetch=0)  # fmt: skip
+        loader = train_loader(
+            cfg.data.train_path,
+            None,
+            cfg.data.seq_len,
+            cfg.train.micro_batch_size,
+            cfg.train.seed,
+            prefetch=0,
+        )
         try:
             step(*loader.next_batch(), eos_id=loader.eos_id).backward()
         finally:
@@ -209,18 +223,30 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
     config = tmp_path / "config.yaml"
     config.write_text(load_config(DEMO_CONFIG, overrides).to_yaml())
     smoke = subprocess.run(
-        [sys.executable, "-m", "m3run.runner.worker.smoke", str(config), "--run-dir",
-         str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "m3run.runner.worker.smoke",
+            str(config),
+            "--run-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr
     # Check 4 says where the scan's launch plans come from (the tiny shapes are in no table).
     assert "launch plans: no tuned launch plan for sm" in smoke.stdout, smoke.stdout
     assert "m3run tune-scan CONFIG" in smoke.stdout
     worker = subprocess.run(
         [sys.executable, "-c", _WORKER_COMPILE, str(config)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert worker.returncode == 0, worker.stdout + worker.stderr
     hits, misses = map(int, worker.stdout.split("CACHE")[1].split()[:2])
     assert hits >= 2 and misses == 0, worker.stdout  # the block's and the loss's graphs
@@ -228,8 +254,7 @@ def test_after_a_compiled_smoke_test_the_workers_compile_is_read_from_the_caches
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp_path, monkeypatch):
     """supervisor.tune_scan: on a GPU that neither this machine's plans nor the checked-in table
     cover, check 3 tunes the scan's plans first (here over two candidates a kernel), stores
     them, and the kernels run under them; the next smoke test finds them and does not tune. A
@@ -240,16 +265,26 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     from m3run.kernels.mamba3.tools import tuning
 
     C = lp.LaunchConfig
-    monkeypatch.setattr(tuning, "CANDIDATES", {
-        "fwd": [C(4, 2), C(4, 3)], "bwd_dstate": [C(4, 1), C(4, 2)],
-        "bwd_chunk": [C(4, 1), C(2, 1)], "bwd_angle": [C(4, 2), C(2, 1)],
-    })  # fmt: skip
+    monkeypatch.setattr(
+        tuning,
+        "CANDIDATES",
+        {
+            "fwd": [C(4, 2), C(4, 3)],
+            "bwd_dstate": [C(4, 1), C(4, 2)],
+            "bwd_chunk": [C(4, 1), C(2, 1)],
+            "bwd_angle": [C(4, 2), C(2, 1)],
+        },
+    )
     monkeypatch.setattr(lookup, "PLANS", lp.LaunchPlans())  # this test's: restored after
     monkeypatch.setattr(lp.launch_plans(), "arch_key", lambda device: "sm_untuned")
     plans = tmp_path / "scan_plans.json"
     monkeypatch.setenv(lp.PLANS_ENV, str(plans))
-    on_cuda = {"train.device": "cuda", "train.precision": "bf16", "train.compile": "false",
-               "supervisor.tune_scan": "true"}  # fmt: skip
+    on_cuda = {
+        "train.device": "cuda",
+        "train.precision": "bf16",
+        "train.compile": "false",
+        "supervisor.tune_scan": "true",
+    }
     cfg = load_config(DEMO_CONFIG, tiny_run_overrides(corpus, **on_cuda))
     blocker = tmp_path / "a-file"  # a plans file under a file cannot be written
     blocker.write_text("")

@@ -12,11 +12,12 @@ import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from helpers.training import run_worker, sigterm_worker_at, train_losses
+from safetensors.torch import load_file
+
 from m3run.runner.checkpoint.layout import latest_complete, list_checkpoints
 from m3run.runner.config import load_config
 from m3run.runner.files import read_jsonl
 from m3run.runner.schedule import lr_at
-from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -278,9 +279,19 @@ def test_each_worker_process_records_its_way_to_the_first_step(finished, tmp_pat
     assert again.returncode == 0, again.stderr
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "startup_times"]
     assert [(r["step"], r["resumed_from"]) for r in records] == [(1, None), (31, 30)]
-    order = ("process_start", "imported", "setup_start", "device_ready", "model_init",
-             "model_built", "resume_start", "resume_end", "compile_wrapped", "setup_end",
-             "first_step_end")  # fmt: skip
+    order = (
+        "process_start",
+        "imported",
+        "setup_start",
+        "device_ready",
+        "model_init",
+        "model_built",
+        "resume_start",
+        "resume_end",
+        "compile_wrapped",
+        "setup_end",
+        "first_step_end",
+    )
     for r in records:
         marks = [r[k] for k in order]
         assert marks == sorted(marks), r

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+
 from m3run.runner.worker.update import GuardedUpdate
 
 CUDA = [
