@@ -10,8 +10,7 @@ deterministic (fixed order, no atomics), with fixed launches (no table entry):
 * ``siso_bwd_param_sum_kernel`` (grid: column blocks × 3): the per-row-block partials of the
   bias gradients (the head sum's, or the chunk kernel's per (batch, chunk)) and the chunk
   kernel's of the ``d`` gradient summed over their rows in fp32, in order, one launch for the
-  three (as PyTorch reductions they were three kernels and 31 µs a call at the benchmark's
-  shape).
+  three (as PyTorch reductions they were three kernels, each a launch and a pass of its own).
 """
 
 from __future__ import annotations
@@ -74,16 +73,14 @@ if triton is not None:
         tl.store(dst + o_c, acc, mask=m_c)
 
 
-# Fixed launches of the two streaming kernels (no table entry).
-# Head sum: 76 µs at b16 t2048 h32 n64 on an H200 against 99 µs with 4 warps and 32 rows
-# (3.6 against 2.8 TB/s; every warps × stages × rows of 4/8 × 1–4 × 16/32/64 timed).
+# Fixed launches of the two streaming kernels (no table entry), the fastest of a sweep over
+# warps, stages and rows at the 434m shape. The head sum streams close to the memory's
+# bandwidth with 8 warps over 16 rows.
 HEAD_SUM = LaunchConfig(num_warps=8, num_stages=1)
 HEAD_SUM_ROWS = 16
 # With the bias partials: one warp, so that a head's column sum stays inside it (shuffles, no
-# barrier), over 64 rows. At that shape, with the param sum: 100 µs, against 686 µs at the
-# launch above (each head's sum crossed its warps: a barrier each, the loop's loads no longer
-# unrolled), 105–394 µs at 2 or 4 warps and 112–327 µs at one warp over 16, 32 or 128 rows
-# (1 or 2 stages alike; docs/benchmarks.md, 2026-12-03 (second)).
+# barrier), over 64 rows. At the launch above each head's sum crossed its warps, a barrier each,
+# and the loop's loads were no longer unrolled: several times slower.
 HEAD_SUM_PARTS = LaunchConfig(num_warps=1, num_stages=1)
 HEAD_SUM_PARTS_ROWS = 64
 PARAM_SUM = LaunchConfig(num_warps=4, num_stages=2)
