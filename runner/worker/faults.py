@@ -47,14 +47,18 @@ class Faults:
     def wrap_step(self, trainer: Any) -> None:
         """Put the step faults around ``trainer.train_step`` (a Trainer after its setup, which
         imports this module: no import back, not even for the annotation): a crash, hang or
-        hold before a step, and a poisoned step. A poisoned step hands the update a NaN loss and
-        gradient norm, so the non-finite guard skips it and its gradients are dropped, as for
-        a step whose loss diverged: what every micro-batch's loss made NaN before its backward
-        leads to, whether or not its first forward ran ahead in the step before."""
+        hold before a step, and a poisoned step. A poisoned step reaches its update as a
+        diverged step does: a NaN loss, NaN gradients and so a NaN gradient norm, so the
+        non-finite guard must skip the update and drop the gradients (what every micro-batch's
+        loss made NaN before its backward led to, whether or not its first forward ran ahead
+        in the step before)."""
         step_fn, update = trainer.train_step, trainer.update
 
         def poisoned_queue(loss, grad_norm, max_norm=None):
             nan = float("nan")
+            for p in trainer.model.parameters():
+                if p.grad is not None:
+                    p.grad.detach().fill_(nan)
             return type(update).queue(update, loss * nan, grad_norm * nan, max_norm)
 
         def train_step() -> dict:
