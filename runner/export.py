@@ -1,16 +1,19 @@
 """A trained model out of a run dir: sampling text from a checkpoint (`m3run generate`) and a
 self-contained export (`m3run export`) that loads back with `Mamba3LM.from_export(dir)`.
 
-An export is a directory of three files: `model.safetensors` (the weights, with the run's step,
-config hash and m3run version as metadata), `config.json` (the ModelConfig) and, for a
-tokenizer that is a file, `tokenizer.json` (a GPT-2 tiktoken tokenizer is named in config.json
-instead: it ships with tiktoken). Torch is imported here; the CLI imports this module only
-inside the two commands.
+An export is a directory of `model.safetensors` (the weights, with the run's step, config hash
+and m3run version as metadata), `config.json` (the ModelConfig), for a tokenizer that is a file
+`tokenizer.json` (a GPT-2 tiktoken tokenizer is named in config.json instead: it ships with
+tiktoken), and the marker file `EXPORT_MARKER` (the run and step exported). Only the marker
+makes a directory an export that a later export may replace: a `config.json` alone does not,
+since a Hugging Face model folder has one too. Torch is imported here; the CLI imports this
+module only inside the two commands.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,7 @@ from m3run.runner.protocol import CONFIG_FILE
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_TOKENIZER = "tokenizer.json"
+EXPORT_MARKER = "m3run-export.json"
 
 
 class ExportError(Exception):
@@ -47,6 +51,7 @@ class Trained:
     tokenizer: Tokenizer
     checkpoint: CheckpointInfo
     config_hash: str
+    run_dir: Path
 
 
 def _train_split(cfg) -> Path:
@@ -69,7 +74,8 @@ def load_trained(run_dir: Path, step: int | None = None) -> Trained:
         )
     model = Mamba3LM(cfg.model)
     model.load_state_dict(load_checkpoint(info.path, hashes_checked=True)[0])
-    return Trained(model.eval(), load_tokenizer(_train_split(cfg)), info, config_hash(cfg))
+    tokenizer = load_tokenizer(_train_split(cfg))
+    return Trained(model.eval(), tokenizer, info, config_hash(cfg), run_dir)
 
 
 def generate(
@@ -92,18 +98,53 @@ def generate(
     return trained.tokenizer.decode(out[0, len(ids) :].tolist())
 
 
+def _listing(out: Path, shown: int = 5) -> str:
+    names = sorted(p.name for p in out.iterdir())
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an OUT that an export would overwrite someone else's files in."""
+    if out.is_symlink():
+        raise ExportError(
+            f"{out} is a symlink (to {os.readlink(out)}), not a directory; "
+            "pass a new or empty directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a directory; pass a new or empty directory")
+    if out.is_dir() and not (out / EXPORT_MARKER).is_file() and any(out.iterdir()):
+        raise ExportError(
+            f"{out} is not an m3run export (no {EXPORT_MARKER}) and holds {_listing(out)}; "
+            "pass a new or empty directory, or remove it"
+        )
+
+
 def export(trained: Trained, out: Path) -> Path:
-    """Write the export directory `out` (created; an existing export there is replaced)."""
+    """Write the export directory `out`: created when missing, refused when it holds anything
+    but an earlier export (which is replaced)."""
     out = Path(out)
-    if out.exists() and not (out / EXPORT_CONFIG).is_file() and any(out.iterdir()):
-        raise ExportError(f"{out} exists and is not an m3run export: pass a new or empty directory")
+    _check_out(out)
+    try:
+        _write(trained, out)
+    except OSError as e:
+        raise ExportError(
+            f"cannot write the export to {out}: {e.strerror or e}; pass a directory you can write"
+        ) from None
+    return out
+
+
+def _write(trained: Trained, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in trained.model.state_dict().items()}
     meta = {
         "step": str(trained.checkpoint.step),
         "config_hash": trained.config_hash,
         "m3run_version": __version__,
     }
+    # The marker goes first: an export killed half-way is still ours to replace on the retry.
+    marker = {"run": str(trained.run_dir.resolve()), "step": trained.checkpoint.step}
+    (out / EXPORT_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    state = {k: v.contiguous() for k, v in trained.model.state_dict().items()}
     save_file(state, out / EXPORT_WEIGHTS, metadata=meta)
     apply_umask(out / EXPORT_WEIGHTS)
     config = {
@@ -118,6 +159,7 @@ def export(trained: Trained, out: Path) -> Path:
         shutil.copyfile(trained.tokenizer.source, out / EXPORT_TOKENIZER)
         config["tokenizer"]["source"] = EXPORT_TOKENIZER
     else:
+        # A tokenizer.json left by an earlier export of another run would contradict config.json.
+        (out / EXPORT_TOKENIZER).unlink(missing_ok=True)
         config["tokenizer"]["source"] = trained.tokenizer.source
     (out / EXPORT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out

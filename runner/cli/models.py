@@ -52,12 +52,15 @@ def export(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Directory to write the export to.")],
     step: Annotated[int | None, typer.Option("--step", metavar="N", help=STEP_HELP)] = None,
 ) -> None:
-    """Write model.safetensors, config.json and the tokenizer: `Mamba3LM.from_export(OUT)`."""
-    from m3run.runner.export import ExportError, export, load_trained
+    """Write model.safetensors, config.json and the tokenizer: `Mamba3LM.from_export(OUT)`.
+    OUT must be new, empty or an earlier m3run export, which is replaced."""
+    from m3run.runner.export import EXPORT_MARKER, ExportError, export, load_trained
 
     try:
         trained = load_trained(run_dir_of(run), step)
+        replacing = not out.is_symlink() and (out / EXPORT_MARKER).is_file()
         path = export(trained, out)
     except ExportError as e:
         raise fail(f"m3run export: {e}") from None
-    typer.echo(f"exported step {trained.checkpoint.step} to {path}")
+    done = "replaced the earlier export in" if replacing else "exported to"
+    typer.echo(f"step {trained.checkpoint.step}: {done} {path} (marked by {EXPORT_MARKER})")

@@ -73,6 +73,51 @@ def test_generate_and_export_name_a_missing_checkpoint(trained, tmp_path):
     assert result.exit_code == 1 and "not an m3run export" in result.output
 
 
+def test_export_refuses_a_folder_of_someone_elses_model_files(trained, tmp_path):
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    files = {
+        "config.json": '{"model_type": "gpt2"}',
+        "model.safetensors": "weights",
+        "tokenizer.json": "{}",
+    }
+    for name, text in files.items():
+        (hf / name).write_text(text)
+    result = invoke("export", trained, hf)
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert str(hf) in line and "not an m3run export" in line
+    assert "config.json" in line and "new or empty directory" in line
+    assert {p.name: p.read_text() for p in hf.iterdir()} == files
+
+
+def test_export_into_a_file_or_a_symlink_is_a_one_line_error(trained, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "a-link"
+    link.symlink_to(target)
+    for out, what in ((file, "is a file"), (link, "is a symlink")):
+        result = CliRunner().invoke(app, ["export", str(trained), str(out)])
+        assert result.exit_code == 1, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        (line,) = result.output.strip().splitlines()
+        assert str(out) in line and what in line and "Traceback" not in result.output
+    assert file.read_text() == "mine" and not any(target.iterdir())
+
+
+def test_export_twice_into_the_same_directory_replaces_the_first(trained, tmp_path):
+    out = tmp_path / "export"
+    first = invoke("export", trained, out)
+    assert first.exit_code == 0 and "exported to" in first.output, first.output
+    marker = json.loads((out / "m3run-export.json").read_text())
+    assert marker["step"] == 10 and marker["run"] == str(trained.resolve())
+    again = invoke("export", trained, out)
+    assert again.exit_code == 0 and "replaced the earlier export" in again.output, again.output
+    assert Mamba3LM.from_export(out).config.vocab_size > 0
+
+
 def test_list_shows_runs_under_the_runs_root_from_the_environment(trained, monkeypatch):
     monkeypatch.setenv("M3RUN_RUNS", str(trained.parent))
     result = invoke("list")
