@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -217,6 +218,49 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     except FileNotFoundError:
         pass
     return out
+
+
+# A metrics record is a few hundred bytes; a longer "line" is binary junk (a disk error, a
+# stray write) and is skipped a block at a time rather than read whole into memory.
+_MAX_JSONL_LINE = 1 << 20
+
+
+class JsonlReader:
+    """The records of a JSONL file, one line at a time, in memory bounded by the longest line
+    kept (`_MAX_JSONL_LINE`), whatever the file's size. A line that is not UTF-8 JSON
+    holding an object (binary junk, a line too long) is skipped and counted in `skipped`;
+    a torn last line, a killed writer's or a live writer's half line, is skipped without
+    being counted, as `read_jsonl` does. A missing file has no records."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                yield from self._records(f)
+        except FileNotFoundError:
+            return
+
+    def _records(self, f: IO[bytes]) -> Iterator[dict]:
+        while line := f.readline(_MAX_JSONL_LINE):
+            torn = not line.endswith(b"\n")
+            if torn and len(line) == _MAX_JSONL_LINE:
+                while (line := f.readline(_MAX_JSONL_LINE)) and not line.endswith(b"\n"):
+                    pass
+                self.skipped += 1
+                continue
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+                rec = None
+            if isinstance(rec, dict):
+                yield rec
+            elif not torn:
+                self.skipped += 1
 
 
 def sha256_file(path: str | os.PathLike) -> str:

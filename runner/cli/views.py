@@ -118,11 +118,14 @@ def plot(
     ] = None,
 ) -> None:
     """Plot train/eval loss, learning rate, gradient norm and tokens/s against step (PNG)."""
-    from m3run.runner.plot import PlotError, plot_run
+    from m3run.runner.plot import PlotError, curves, plot_run, skipped_message
 
     run_dir = run_dir_of(run)
+    data = curves(run_dir)
+    if message := skipped_message(data):
+        typer.echo(f"m3run plot: {message}", err=True)
     try:
-        path = plot_run(run_dir, out)
+        path = plot_run(run_dir, out, data)
     except PlotError as e:
         raise fail(f"m3run plot: {e}") from None
     typer.echo(str(path))

@@ -3,6 +3,13 @@ steps' last records, and marks restarts, rollbacks and config changes."""
 
 from __future__ import annotations
 
+import itertools
+import tracemalloc
+
+from typer.testing import CliRunner
+
+from m3run.runner import plot
+from m3run.runner.cli import app
 from m3run.runner.files import append_jsonl
 from m3run.runner.plot import curves, plot_run
 from m3run.runner.protocol import EVENTS_FILE, METRICS_FILE
@@ -46,3 +53,43 @@ def test_a_run_resumed_from_an_earlier_step_plots_no_backward_lines(tmp_path):
     (restart,) = [m for m in data.markers if m.kind == "restart"]
     assert "back from 40" in restart.label
     assert plot_run(tmp_path).stat().st_size > 0
+
+
+def test_binary_and_non_utf8_lines_are_skipped_and_counted_once(tmp_path):
+    _train(tmp_path, range(1, 11), 0.0, 1000.0)
+    with open(tmp_path / METRICS_FILE, "ab") as f:
+        f.write(b"\x00\x01\x02\xff\xfe binary junk\n")
+        f.write(b'{"kind": "train", "step": 11, "loss": 1.0, "note": "\xff\xfe"}\n')
+        f.write(b"\x07" * (3 * 2**20) + b"\n")  # longer than any record: skipped unread
+    _train(tmp_path, range(12, 21), 0.0, 1000.0)
+    with open(tmp_path / METRICS_FILE, "ab") as f:
+        f.write(b'{"kind": "train", "st')  # a writer's torn last line is not counted
+    result = CliRunner().invoke(app, ["plot", str(tmp_path)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("skipped 3 unreadable lines") == 1, result.output
+    assert str(tmp_path / METRICS_FILE) in result.output
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert curves(tmp_path).series["loss"][0] == [*range(1, 11), *range(12, 21)]
+
+
+def test_a_long_metrics_file_plots_in_bounded_memory(tmp_path):
+    n = 120_000
+    record = (
+        '{{"kind": "train", "step": {0}, "loss": {1}, "lr": 0.001, "grad_norm": 1.0, '
+        '"tokens_per_s": 1000.0, "time": {0}}}\n'
+    )
+    with open(tmp_path / METRICS_FILE, "w") as f:
+        for start in range(1, n + 1, 10_000):
+            f.write("".join(record.format(s, s / n) for s in range(start, start + 10_000)))
+    tracemalloc.start()
+    try:
+        data = curves(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Every record kept would take some 50 MB here; the downsampled curves a few.
+    assert peak < 16 * 2**20, f"reading {n} records peaked at {peak / 2**20:.0f} MiB"
+    steps, losses = data.series["loss"]
+    assert len(steps) <= plot.MAX_POINTS and steps == sorted(set(steps))
+    assert steps[-1] == n and losses == [s / n for s in steps]
+    assert max(b - a for a, b in itertools.pairwise(steps)) <= 2 * n / plot.MAX_POINTS
