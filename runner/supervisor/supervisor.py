@@ -28,6 +28,7 @@ first worker that way beside the test.
 SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
 as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
 SIGKILLed. A repeated SIGTERM waits for that save; a second Ctrl-C (SIGINT) kills it at once.
+A supervisor error stops the worker the same way, SIGTERM first, before the run fails.
 
 Stop timeouts. ``stop_grace_s`` (default 120 s: a 435M checkpoint with optimizer state is ~5 GB)
 must fit inside the container runtime's own stop timeout, or the runtime SIGKILLs everything
@@ -186,15 +187,16 @@ class Supervisor:
         except RunDirWriteError as e:
             return self._end_unwritable(e)
         except Exception as e:
-            # A supervisor bug must not leave an unsupervised worker behind.
-            if self.worker is not None and self.worker.alive():
-                self.worker.kill()
+            # A supervisor bug must not leave an unsupervised worker behind, nor cost the
+            # worker the progress it can still save.
+            stopped = self._stop_worker()
             try:
                 return self._end(
                     SupervisorPhase.FAILED,
                     EXIT_SOFTWARE,
-                    f"supervisor error {type(e).__name__}: {e}; the worker was killed. "
-                    "This is a bug in m3run: report it with supervisor.log",
+                    f"supervisor error {type(e).__name__}: {e}; {stopped}. This is a bug in "
+                    "m3run: report it with supervisor.log, then relaunch to resume from the "
+                    "last complete checkpoint",
                     level="error",
                 )
             except RunDirWriteError as unwritable:
@@ -267,11 +269,24 @@ class Supervisor:
     def _end_unwritable(self, err: RunDirWriteError) -> int:
         """The run dir cannot be written: stop the worker, which cannot save either, then end
         the run as state.end_unwritable records it."""
-        if self.worker is not None and self.worker.alive():
-            self.worker.terminate()
-            if self.worker.wait(self.s.stop_grace_s) is None:
-                self.worker.kill()
+        self._stop_worker()
         return end_unwritable(self.state_file, self.log.emit, err)
+
+    def _stop_worker(self) -> str:
+        """SIGTERM a running worker (it saves at its next step boundary and exits 75) and
+        SIGKILL it only once the stop grace is spent. Returns what became of it."""
+        worker = self.worker
+        if worker is None or not worker.alive():
+            return "no worker was running"
+        worker.terminate()
+        code = worker.wait(self.s.stop_grace_s)
+        if code is None:
+            worker.kill()
+            return (
+                f"worker pid {worker.pid} did not exit within the {self.s.stop_grace_s:g}s "
+                "stop grace and was killed"
+            )
+        return f"worker pid {worker.pid} was asked to save and stop: {describe_exit(code)}"
 
     def _scanned(self, progressed: bool) -> None:
         """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
