@@ -25,9 +25,10 @@ host (``warm_spare``) the next worker waits started and imported while one train
 restart hands it the worker's arguments (spare); a launch that runs the smoke test starts its
 first worker that way beside the test.
 
-SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
-as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
+SIGTERM/SIGINT to the supervisor and cloud preemption notices are forwarded to the worker as
+SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
 SIGKILLed. A repeated SIGTERM waits for that save; a second Ctrl-C (SIGINT) kills it at once.
+SIGHUP (a closed terminal) is no stop: the run goes on without its console (events.EventLog).
 A supervisor error stops the worker the same way, SIGTERM first, before the run fails.
 
 Stop timeouts. ``stop_grace_s`` (default 120 s: a 435M checkpoint with optimizer state is ~5 GB)
@@ -163,7 +164,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Preflight, then supervise until the run ends. Returns the supervisor's exit code."""
-        old_handlers = self.stops.install_signal_handlers() if self.handle_signals else {}
+        old_handlers = self._install_signal_handlers() if self.handle_signals else {}
         try:
             self._write_state(force=True)
             reap_stale_worker(self.run_dir, self.s.stop_grace_s, self.log)
@@ -214,6 +215,18 @@ class Supervisor:
             self.log.close()
 
     # ----------------------------------------------------------------- signals & preemption
+
+    def _install_signal_handlers(self) -> dict:
+        """The stop signals (stops.StopControl), and SIGHUP: a closed terminal takes only the
+        console away, never the run."""
+        handlers = self.stops.install_signal_handlers()
+        if handlers:  # main thread only
+
+            def hangup(_signum: int, _frame: Any) -> None:
+                self.log.lose_console("received SIGHUP")
+
+            handlers[signal.SIGHUP] = signal.signal(signal.SIGHUP, hangup)
+        return handlers
 
     def _start_preemption_watcher(self) -> None:
         from m3run.runner.supervisor.preemption import start_watcher
@@ -376,6 +389,7 @@ class Supervisor:
         while True:
             code = worker.wait(self.s.poll_s)
             self._echo(worker)
+            self.log.record_console_loss()
             if code is not None:
                 self._echo(worker, final=True)
                 last = self.hang.read()
