@@ -113,6 +113,9 @@ SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"
 # The worker's one argument as a warm spare (`python -m m3run.runner.train --standby`): import, then
 # read the worker's arguments as a JSON list from one line of stdin (runner/supervisor/spare.py).
 STANDBY_ARG = "--standby"
+# events.jsonl "event" of a supervisor whose console is gone (a closed terminal's SIGHUP, EIO or
+# EPIPE on stdout): the run goes on, recorded in the run dir only, as a detached one is.
+CONSOLE_LOST_EVENT = "console_lost"
 
 # ----------------------------------------------------------------------------- phases
 

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from m3run.runner.files import RunDirWriteError, append_jsonl, open_append
-from m3run.runner.protocol import EVENTS_FILE, SUPERVISOR_LOG
+from m3run.runner.protocol import CONSOLE_LOST_EVENT, EVENTS_FILE, SUPERVISOR_LOG
 
 LOG_FORMATS = ("text", "json")
 
@@ -30,7 +30,11 @@ class EventLog:
     with `console` one line on stdout. The console is one format for every line, the worker's
     echoed output included (what `docker logs` and `kubectl logs` show): `text` (the default),
     an ISO-8601 UTC timestamp, the source and a short message, colour only on a terminal without
-    NO_COLOR; or `json`, one object per line."""
+    NO_COLOR; or `json`, one object per line.
+
+    A lost console (a closed terminal's SIGHUP, EIO or EPIPE on stdout, a closed stdout) never
+    raises: the supervisor goes on without it, recording in the run dir only, as a detached one
+    does, and one `console_lost` event says so."""
 
     def __init__(self, run_dir: Path, console: bool, log_format: str = "text"):
         if log_format not in LOG_FORMATS:
@@ -48,6 +52,8 @@ class EventLog:
         self._console = console
         self._json = log_format == "json"
         self._color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        self._lost: str | None = None  # why the console went away, until its event is written
+        self._lost_recorded = False
 
     def emit(
         self, event: str, reason: str | None = None, level: str = "info", **fields: Any
@@ -63,6 +69,40 @@ class EventLog:
             getattr(self._log, level)(event, reason=reason, **fields)
         except OSError as e:
             raise RunDirWriteError.wrap(e, self.run_dir / SUPERVISOR_LOG) from e
+        self.record_console_loss()
+
+    def lose_console(self, why: str) -> None:
+        """Go on without the console: stdout and stderr are pointed at /dev/null, so that no
+        later write (a refusal, the interpreter's last flush) fails on it either. Safe from a
+        signal handler: the event is written by the next `emit` or `record_console_loss`."""
+        if self._lost is not None or self._lost_recorded:
+            return
+        had_console, self._console = self._console, False
+        self._lost = why if had_console else f"{why}; this supervisor has no console"
+        if had_console:
+            _silence_stdio()
+
+    def record_console_loss(self) -> None:
+        """Write the console_lost event once the console is gone (the supervisor's loop calls
+        this every turn, so a SIGHUP is on record while the run trains)."""
+        if self._lost is None or self._lost_recorded:
+            return
+        self._lost_recorded = True
+        why, self._lost = self._lost, None
+        self.emit(
+            CONSOLE_LOST_EVENT,
+            reason=f"{why}: the run goes on without a console; follow it with `m3run logs "
+            f"{self.run_dir} -f` (supervisor.log and events.jsonl hold every event), stop it "
+            f"with `m3run stop {self.run_dir}`",
+            level="warning",
+        )
+
+    def _write(self, line: str) -> None:
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError) as e:  # ValueError: stdout was closed
+            self.lose_console(f"writing to the console failed ({type(e).__name__}: {e})")
 
     def _print(self, record: dict, level: str) -> None:
         when = iso_time(record["time"])
@@ -88,8 +128,7 @@ class EventLog:
             line = f"{when} supervisor {tag} {record['event']}{reason}" + (
                 f"  ({extra})" if extra else ""
             )
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+        self._write(line)
 
     def echo(self, line: str) -> None:
         """A child's output line (the worker's, the smoke test's) in the console's format."""
@@ -101,8 +140,7 @@ class EventLog:
             out = json.dumps({"time": when, "source": "worker", "line": text})
         else:
             out = f"{when} worker {text}"
-        sys.stdout.write(out + "\n")
-        sys.stdout.flush()
+        self._write(out)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a full disk may refuse the last flush
@@ -110,3 +148,12 @@ class EventLog:
 
 
 _COLORS = {"warning": "33", "error": "31"}
+
+
+def _silence_stdio() -> None:
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                os.dup2(devnull, fd)
+        os.close(devnull)

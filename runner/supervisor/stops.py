@@ -1,4 +1,5 @@
-"""Stop requests: a user's SIGTERM/SIGINT/SIGHUP or `m3run stop`, and cloud preemption notices.
+"""Stop requests: a user's SIGTERM/SIGINT or `m3run stop`, and cloud preemption notices. SIGHUP is
+no stop: a closed terminal only takes the console away (runner.supervisor.events).
 The first request has the worker save and exit 75 within the stop grace. A repeated SIGTERM or
 `m3run stop` waits for that same save (a checkpoint written halfway is worth nothing); only a
 second Ctrl-C (SIGINT) or the grace running out kills the worker. A preemption notice upgrades
@@ -65,7 +66,7 @@ class StopControl:
                 self.kind, self.detail = kind, detail
 
     def install_signal_handlers(self) -> dict:
-        """SIGTERM, SIGINT and SIGHUP become user stop requests (main thread only); returns the
+        """SIGTERM and SIGINT become user stop requests (main thread only); returns the
         handlers they replaced, for the caller to restore."""
         if threading.current_thread() is not threading.main_thread():
             return {}
@@ -79,9 +80,7 @@ class StopControl:
                 force_on_repeat=signum == signal.SIGINT,
             )
 
-        return {
-            s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        }
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def grace(self) -> float:
         """stop_grace_s, shortened by a recent `m3run stop --grace S` request."""

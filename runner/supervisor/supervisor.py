@@ -25,9 +25,11 @@ host (``warm_spare``) the next worker waits started and imported while one train
 restart hands it the worker's arguments (spare); a launch that runs the smoke test starts its
 first worker that way beside the test.
 
-SIGTERM/SIGINT/SIGHUP to the supervisor and cloud preemption notices are forwarded to the worker
-as SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
+SIGTERM/SIGINT to the supervisor and cloud preemption notices are forwarded to the worker as
+SIGTERM (it saves at the next step boundary and exits 75); ``stop_grace_s`` later it is
 SIGKILLed. A repeated SIGTERM waits for that save; a second Ctrl-C (SIGINT) kills it at once.
+SIGHUP (a closed terminal) is no stop: the run goes on without its console (events.EventLog).
+A supervisor error stops the worker the same way, SIGTERM first, before the run fails.
 
 Stop timeouts. ``stop_grace_s`` (default 120 s: a 435M checkpoint with optimizer state is ~5 GB)
 must fit inside the container runtime's own stop timeout, or the runtime SIGKILLs everything
@@ -162,7 +164,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Preflight, then supervise until the run ends. Returns the supervisor's exit code."""
-        old_handlers = self.stops.install_signal_handlers() if self.handle_signals else {}
+        old_handlers = self._install_signal_handlers() if self.handle_signals else {}
         try:
             self._write_state(force=True)
             reap_stale_worker(self.run_dir, self.s.stop_grace_s, self.log)
@@ -186,15 +188,16 @@ class Supervisor:
         except RunDirWriteError as e:
             return self._end_unwritable(e)
         except Exception as e:
-            # A supervisor bug must not leave an unsupervised worker behind.
-            if self.worker is not None and self.worker.alive():
-                self.worker.kill()
+            # A supervisor bug must not leave an unsupervised worker behind, nor cost the
+            # worker the progress it can still save.
+            stopped = self._stop_worker()
             try:
                 return self._end(
                     SupervisorPhase.FAILED,
                     EXIT_SOFTWARE,
-                    f"supervisor error {type(e).__name__}: {e}; the worker was killed. "
-                    "This is a bug in m3run: report it with supervisor.log",
+                    f"supervisor error {type(e).__name__}: {e}; {stopped}. This is a bug in "
+                    "m3run: report it with supervisor.log, then relaunch to resume from the "
+                    "last complete checkpoint",
                     level="error",
                 )
             except RunDirWriteError as unwritable:
@@ -212,6 +215,18 @@ class Supervisor:
             self.log.close()
 
     # ----------------------------------------------------------------- signals & preemption
+
+    def _install_signal_handlers(self) -> dict:
+        """The stop signals (stops.StopControl), and SIGHUP: a closed terminal takes only the
+        console away, never the run."""
+        handlers = self.stops.install_signal_handlers()
+        if handlers:  # main thread only
+
+            def hangup(_signum: int, _frame: Any) -> None:
+                self.log.lose_console("received SIGHUP")
+
+            handlers[signal.SIGHUP] = signal.signal(signal.SIGHUP, hangup)
+        return handlers
 
     def _start_preemption_watcher(self) -> None:
         from m3run.runner.supervisor.preemption import start_watcher
@@ -267,11 +282,24 @@ class Supervisor:
     def _end_unwritable(self, err: RunDirWriteError) -> int:
         """The run dir cannot be written: stop the worker, which cannot save either, then end
         the run as state.end_unwritable records it."""
-        if self.worker is not None and self.worker.alive():
-            self.worker.terminate()
-            if self.worker.wait(self.s.stop_grace_s) is None:
-                self.worker.kill()
+        self._stop_worker()
         return end_unwritable(self.state_file, self.log.emit, err)
+
+    def _stop_worker(self) -> str:
+        """SIGTERM a running worker (it saves at its next step boundary and exits 75) and
+        SIGKILL it only once the stop grace is spent. Returns what became of it."""
+        worker = self.worker
+        if worker is None or not worker.alive():
+            return "no worker was running"
+        worker.terminate()
+        code = worker.wait(self.s.stop_grace_s)
+        if code is None:
+            worker.kill()
+            return (
+                f"worker pid {worker.pid} did not exit within the {self.s.stop_grace_s:g}s "
+                "stop grace and was killed"
+            )
+        return f"worker pid {worker.pid} was asked to save and stop: {describe_exit(code)}"
 
     def _scanned(self, progressed: bool) -> None:
         """After a checkpoint scan: a new verified checkpoint is progress (restart accounting,
@@ -361,6 +389,7 @@ class Supervisor:
         while True:
             code = worker.wait(self.s.poll_s)
             self._echo(worker)
+            self.log.record_console_loss()
             if code is not None:
                 self._echo(worker, final=True)
                 last = self.hang.read()

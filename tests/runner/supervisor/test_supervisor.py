@@ -369,6 +369,28 @@ def test_stop_kills_a_worker_that_does_not_save_within_the_grace(tmp_path, stand
     assert "did not exit 75 within the 0.5s stop grace (killed by SIGKILL)" in state["reason"]
 
 
+def test_a_supervisor_error_asks_the_worker_to_save_before_the_run_fails(tmp_path, standin):
+    # No periodic checkpoints: whatever checkpoint there is, the worker wrote on the SIGTERM.
+    run_dir = make_run(tmp_path, [{"steps": 10**6, "step_time": 0.02, "vram": 1000}])
+    sup = Supervisor(run_dir, settings(), argv_for(standin, run_dir), handle_signals=False)
+    note = sup.vram.note
+
+    def broken(used: int, source: str) -> None:
+        # A bug in the watch loop once the worker trains: the catch-all handles it.
+        if (read_json(run_dir / "heartbeat.json") or {}).get("step", 0) >= 3:
+            raise RuntimeError("injected supervisor bug")
+        note(used, source)
+
+    sup.vram.note = broken
+    assert sup.run() == EXIT_SOFTWARE
+    state = read_json(run_dir / STATE_FILE)
+    assert state["phase"] == SupervisorPhase.FAILED
+    assert "injected supervisor bug" in state["reason"]
+    assert "was asked to save and stop: exit 75" in state["reason"], state["reason"]
+    assert [c.complete for c in list_checkpoints(run_dir)] == [True]
+    assert "saved step" in (run_dir / WORKER_LOG).read_text()
+
+
 def test_preemption_request_saves_and_exits_75(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 10**6}])
     sup = Supervisor(run_dir, settings(), argv_for(standin, run_dir), handle_signals=False)
