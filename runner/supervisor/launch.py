@@ -67,10 +67,10 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_FILE
-        self._lock = PidLock(self.path)
+        self.pid_lock = PidLock(self.path)
 
     def acquire(self) -> None:
-        holder = self._lock.acquire()
+        holder = self.pid_lock.acquire()
         if holder is not None:
             run_dir = self.path.parent
             raise LaunchError(
@@ -81,7 +81,7 @@ class RunLock:
             )
 
     def release(self) -> None:
-        self._lock.release()
+        self.pid_lock.release()
 
     def discard(self) -> None:
         """Remove the lock file and, when nothing else is left, the run dir (a launch that
@@ -269,6 +269,7 @@ def launch(opts: LaunchOptions) -> int:
             smoke=SmokeTest(opts.run_dir / CONFIG_FILE, always=opts.smoke)
             if settings.smoke
             else None,
+            run_lock=lock.pid_lock,
         )
     except (LaunchError, OSError) as e:
         return _refused(e)
