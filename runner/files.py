@@ -96,6 +96,29 @@ class PidLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
+    def held_at_path(self) -> bool:
+        """True while the file at `path` is the one this lock holds: deleting or replacing it
+        leaves the flock on an inode nobody else opens, and the path free for anyone."""
+        if self._fd is None:
+            return False
+        try:
+            found = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._fd)
+        return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+    def retake(self) -> str | None:
+        """Take the lock at `path` again after its file was deleted or replaced: None once
+        this process holds it (the old inode's lock dropped), else the pid the new file's
+        holder wrote (this process then keeps only the old inode's lock)."""
+        fresh = PidLock(self.path)
+        holder = fresh.acquire()
+        if holder is None:
+            self.release()
+            self._fd = fresh._fd
+        return holder
+
 
 def lock_holder(path: str | os.PathLike) -> int | None:
     """The pid written in a lock file while some process holds its flock, else None (free, or

@@ -57,14 +57,31 @@ def process_matches(pid: Any, recorded_create_time: Any) -> bool:
     return abs(actual - recorded_create_time) <= _CREATE_TIME_TOLERANCE_S
 
 
+def born_as_recorded(pid: Any, recorded_create_time: Any) -> bool:
+    """True only if `pid` is alive and was born at `recorded_create_time`, which must be
+    recorded: a pid read from a file without its create time proves nothing."""
+    if not isinstance(recorded_create_time, (int, float)) or isinstance(recorded_create_time, bool):
+        return False
+    return process_matches(pid, recorded_create_time)
+
+
 def owns_lock(pid: Any, recorded_create_time: Any, lock_path: Path) -> bool:
     """True only if `pid` is alive, was born at `recorded_create_time` (which must be
     recorded), and holds the flock on `lock_path` (m3run's supervisor.lock or worker.lock of
     that run dir). A pid read from a file is signalled only when this holds: a forged or stale
     state.json never gets an unrelated process killed."""
-    if not isinstance(recorded_create_time, (int, float)) or isinstance(recorded_create_time, bool):
+    return born_as_recorded(pid, recorded_create_time) and lock_holder(lock_path) == pid
+
+
+def runs_m3run(pid: int) -> bool:
+    """True if the process's command line is m3run's: the `m3run` script, or a module of the
+    m3run package (`-m m3run.runner.cli`, the supervisor's, the worker's, torchrun's rank
+    module). What names a run's process when its lock file is gone and cannot."""
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    return process_matches(pid, recorded_create_time) and lock_holder(lock_path) == pid
+    return any(a.startswith("m3run.") or os.path.basename(a) == "m3run" for a in argv)
 
 
 def signal_group_of(pid: int, sig: int) -> None:

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from m3run.runner.files import lock_holder, read_json
-from m3run.runner.procs import owns_lock, process_matches, tail_text
+from m3run.runner.procs import (
+    born_as_recorded,
+    owns_lock,
+    process_matches,
+    runs_m3run,
+    tail_text,
+)
 from m3run.runner.protocol import (
     ACTIVE_PHASES,
     CHECKPOINTS_DIR,
@@ -151,6 +157,24 @@ def supervisor_alive(state: RunState | None, run_dir: Path | None = None) -> boo
 def orphan_worker(run_dir: Path) -> int | None:
     """The pid holding the run dir's worker.lock (a worker, alive), else None."""
     return lock_holder(Path(run_dir) / WORKER_LOCK_FILE)
+
+
+def live_run_process(run_dir: Path) -> tuple[str, int] | None:
+    """("supervisor" or "worker", pid) of a process state.json names that is alive and still
+    this run's, whatever the lock files say (they may have been deleted): born at its recorded
+    create time, as `stop` requires, and running m3run's command line, which stands in for
+    the lock a deleted file no longer proves. None when the run is not active or its
+    processes are gone. This process never counts (a relaunch from the same process)."""
+    state = read_state(run_dir)
+    if state is None or state.phase not in ACTIVE_PHASES:
+        return None
+    for what, pid, born in (
+        ("supervisor", state.supervisor_pid, state.supervisor_create_time),
+        ("worker", state.worker_pid, state.worker_create_time),
+    ):
+        if pid != os.getpid() and born_as_recorded(pid, born) and runs_m3run(pid):
+            return what, pid
+    return None
 
 
 def effective_phase(state: RunState | None, run_dir: Path | None = None) -> str | None:

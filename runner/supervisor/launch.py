@@ -27,6 +27,7 @@ from m3run.runner.files import (
     append_jsonl,
     atomic_write_text,
     describe_os_error,
+    lock_holder,
     read_json,
     refuse_symlinks,
 )
@@ -43,7 +44,9 @@ from m3run.runner.protocol import (
     STATE_FILE,
     SUPERVISOR_LOG,
     WORKER_EXIT_GLOB,
+    WORKER_LOCK_FILE,
 )
+from m3run.runner.runstate import live_run_process
 from m3run.runner.schedule import lr_at
 from m3run.runner.supervisor.preflight import NvmlProbe, SmokeTest
 from m3run.runner.supervisor.settings import SupervisorSettings
@@ -67,10 +70,10 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_FILE
-        self._lock = PidLock(self.path)
+        self.pid_lock = PidLock(self.path)
 
     def acquire(self) -> None:
-        holder = self._lock.acquire()
+        holder = self.pid_lock.acquire()
         if holder is not None:
             run_dir = self.path.parent
             raise LaunchError(
@@ -81,7 +84,7 @@ class RunLock:
             )
 
     def release(self) -> None:
-        self._lock.release()
+        self.pid_lock.release()
 
     def discard(self) -> None:
         """Remove the lock file and, when nothing else is left, the run dir (a launch that
@@ -89,6 +92,33 @@ class RunLock:
         self.path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.path.parent.rmdir()
+
+
+def refuse_live_run(run_dir: Path) -> None:
+    """LaunchError when state.json names a live supervisor or worker of this run: the lock
+    files prove nothing once deleted (a "stale lock" cleanup), and a second supervisor would
+    run a second writer beside them. Checked before the lock is taken: a refused launch must not
+    hold, even for a moment, the lock file a live supervisor re-takes when it finds it gone."""
+    if lock_holder(run_dir / LOCK_FILE) is not None:
+        return  # RunLock.acquire refuses, naming the holder
+    live = live_run_process(run_dir)
+    if live is None:
+        return
+    what, pid = live
+    if what == "supervisor":
+        fix = f"stop it with `m3run stop {run_dir}`, or wait for it to end"
+    else:
+        fix = (
+            f"its supervisor is gone: stop it with `kill {pid}` (it saves a checkpoint and "
+            "exits), or wait for it to end"
+        )
+    raise LaunchError(
+        f"run dir {run_dir} is busy: {what} pid {pid} of this run is still alive ({STATE_FILE} "
+        f"names it), whatever {LOCK_FILE} and {WORKER_LOCK_FILE} say. Watch it with "
+        f"`m3run status {run_dir}`; {fix}, then launch again. Never delete the lock files of "
+        "a live run",
+        EXIT_REFUSED,
+    )
 
 
 @dataclass
@@ -244,6 +274,7 @@ def launch(opts: LaunchOptions) -> int:
         _check_path_text(opts.run_dir)
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         refuse_symlinks(opts.run_dir, RUN_DIR_FILES, (RANK_HEARTBEAT_GLOB, WORKER_EXIT_GLOB))
+        refuse_live_run(opts.run_dir)
         lock = RunLock(opts.run_dir)
         lock.acquire()
     except (LaunchError, OSError) as e:
@@ -269,6 +300,7 @@ def launch(opts: LaunchOptions) -> int:
             smoke=SmokeTest(opts.run_dir / CONFIG_FILE, always=opts.smoke)
             if settings.smoke
             else None,
+            run_lock=lock.pid_lock,
         )
     except (LaunchError, OSError) as e:
         return _refused(e)

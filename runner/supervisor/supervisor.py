@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from m3run.runner.files import RunDirWriteError, read_json
+from m3run.runner.files import PidLock, RunDirWriteError, describe_os_error, lock_holder, read_json
 from m3run.runner.procs import describe_exit
 from m3run.runner.protocol import (
     EXIT_CONFIG,
@@ -73,7 +73,7 @@ from m3run.runner.supervisor.restarts import diagnose
 from m3run.runner.supervisor.settings import SupervisorSettings
 from m3run.runner.supervisor.spare import SparePolicy
 from m3run.runner.supervisor.state import StateFile, end_unwritable
-from m3run.runner.supervisor.stops import PREEMPTED, StopControl, StopDelivery
+from m3run.runner.supervisor.stops import PREEMPTED, USER, StopControl, StopDelivery
 from m3run.runner.supervisor.worker import (
     Outcome,
     WorkerArgv,
@@ -107,6 +107,7 @@ class Supervisor:
         smoke: SmokeTest | None = None,
         env: dict[str, str] | None = None,
         handle_signals: bool = True,
+        run_lock: PidLock | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.s = settings
@@ -116,6 +117,8 @@ class Supervisor:
         self.config_hash = config_hash
         self.env = dict(os.environ if env is None else env)
         self.handle_signals = handle_signals
+        self.run_lock = run_lock  # supervisor.lock, kept held at its path (_keep_lock)
+        self._lock_lost = False
         self.log = EventLog(self.run_dir, console, log_format)
 
         self.stops = StopControl(self.run_dir, settings.stop_grace_s)
@@ -381,6 +384,44 @@ class Supervisor:
     def _record_stopping(self) -> None:
         self._write_state(force=True, phase=SupervisorPhase.STOPPING, reason=self.stops.detail)
 
+    def _keep_lock(self) -> None:
+        """supervisor.lock deleted or replaced while the run trains (a "stale lock" cleanup)
+        leaves the path free for a second supervisor. Taking it again at once closes that door
+        without disturbing the run; a lock another process already holds there means a second
+        writer got in, and only stopping this run (its worker saves) leaves one writer."""
+        lock = self.run_lock
+        if lock is None or self._lock_lost or lock.held_at_path():
+            return
+        try:
+            holder = lock.retake()
+        except OSError as e:
+            self._lose_lock(f"it cannot be taken again ({describe_os_error(e, lock.path)})")
+            return
+        if holder is None:
+            self.log.emit(
+                "lock_retaken",
+                reason=f"{lock.path} was deleted or replaced while the run held it; supervisor "
+                f"pid {os.getpid()} holds it again. Never delete the lock files of a live run",
+                level="warning",
+            )
+            return
+        pid = lock_holder(lock.path)
+        if pid is None:
+            return  # a reader's probe (`m3run status`, `stop`) had it for a moment: next poll
+        self._lose_lock(f"pid {pid} now holds it", holder=pid)
+
+    def _lose_lock(self, what: str, **fields: Any) -> None:
+        self._lock_lost = True
+        self.log.emit(
+            "lock_lost",
+            reason=f"{self.run_lock.path} was deleted or replaced while the run held it and "
+            f"{what}: a second writer may be in {self.run_dir}. Stopping this run (the worker "
+            "saves a checkpoint); fix: stop the other process, then relaunch once",
+            level="error",
+            **fields,
+        )
+        self.request_stop(USER, f"lost {self.run_lock.path}: {what}")
+
     def _watch(self, worker: WorkerProcess) -> Outcome:
         """Poll the worker until it exits; handles stop requests and hangs on the way."""
         stop = StopDelivery(self.stops, self.log)
@@ -399,6 +440,7 @@ class Supervisor:
                 killed = stop.deadline_passed()
                 return Outcome(worker.protocol_code(code), hang=hang, killed_after_grace=killed)
             now = time.monotonic()
+            self._keep_lock()
             stop.poll(worker, now, on_sent=self._record_stopping)
             if now >= next_scan:
                 next_scan = now + _CHECKPOINT_SCAN_S
