@@ -426,3 +426,15 @@ def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
     assert watch.returncode == 0, out
     assert out.splitlines()[1].startswith("phase      running")
     assert "phase      finished" in out
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["foreground", "detached"])
+def test_launch_refuses_a_too_deep_config_without_making_the_run_dir(tmp_path, detach):
+    config = tmp_path / "deep.yaml"
+    config.write_text("model: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n")
+    run_dir = tmp_path / "r"
+    args = ["--detach"] if detach else []
+    result = invoke("launch", config, "--run-dir", run_dir, *args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "more than" in result.output and "Traceback" not in result.output
+    assert not run_dir.exists()
