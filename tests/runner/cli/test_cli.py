@@ -262,6 +262,16 @@ def test_launch_argument_errors(tmp_path):
     assert result.exit_code == 2 and "plain directory name" in result.output
 
 
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1bb", "a\\b", "a\tb"])
+def test_launch_refuses_a_name_with_a_control_character_or_separator(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("M3RUN_RUNS", str(tmp_path / "runs"))
+    result = invoke("launch", DEMO, "--name", name)
+    assert result.exit_code == 2, result.output
+    assert "plain directory name" in result.output
+    assert result.output.strip().count("\n") == 0  # one line: the name is shown escaped
+    assert not (tmp_path / "runs").exists()
+
+
 def test_launch_bad_and_changed_config_exit_78(tmp_path):
     run_dir = tmp_path / "r"
     result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=-1")
