@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 from typing import Annotated
 
@@ -75,11 +76,12 @@ def launch(
     from m3run.runner.supervisor import launch as supervisor
 
     if run_dir is not None and name is not None:
-        raise fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name}), not both", 2)
-    if name is not None and (not name or "/" in name or name in (".", "..")):
+        raise fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name!r}), not both", 2)
+    if name is not None and not _plain_name(name):
+        # repr() keeps a newline in the name from splitting the message over two lines.
         raise fail(
-            f"m3run launch: --name {name!r} must be a plain directory name (no '/'); "
-            "use --run-dir for a path",
+            f"m3run launch: --name {name!r} must be a plain directory name (no '/', '\\' or "
+            "control characters such as a newline); use --run-dir for a path",
             2,
         )
     try:
@@ -103,6 +105,14 @@ def launch(
     )
     code = supervisor.launch_detached(opts) if detach else supervisor.launch(opts)
     raise typer.Exit(code)
+
+
+def _plain_name(name: str) -> bool:
+    """A name that is one directory under runs/ and that status lines, logs and shells show as
+    typed: no separator, no control character (a newline would forge a line in every listing)."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        return False
+    return not any(unicodedata.category(c) == "Cc" for c in name)
 
 
 @app.command(epilog="Exit codes: 0 stopped, 1 not running (or still running after the grace).")

@@ -22,6 +22,7 @@ from m3run.runner.config.base import ConfigError
 from m3run.runner.config.loading import (
     LEGACY_VALUES,
     apply_overrides,
+    check_config_file,
     config_hash,
     keep_legacy_values,
     load_config,
@@ -52,6 +53,7 @@ __all__ = [
     "SupervisorConfig",
     "TrainConfig",
     "apply_overrides",
+    "check_config_file",
     "config_hash",
     "keep_legacy_values",
     "load_config",

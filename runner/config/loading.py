@@ -21,6 +21,11 @@ from m3run.runner.config.schema import RunConfig
 # ---------------------------------------------------------------------------------------------
 # Loading
 
+# A run config is a few KB; the caps refuse a wrong or hostile file before the YAML parser
+# spends minutes on it or recurses past Python's stack (a RecursionError, not a message).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+MAX_CONFIG_DEPTH = 32
+
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML run config, apply `section.key=value` overrides, validate.
@@ -41,9 +46,46 @@ def _read_text(path: Path) -> str:
             "e.g. configs/demo_cpu.yaml)"
         )
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            # Read one byte past the cap rather than trust the size stat gave: a file can grow.
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, the limit "
+                "for a run config (fix: pass the YAML run config, a few KB; data and token "
+                "lists belong in data files, not in the config)"
+            )
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
+
+
+def check_config_file(path: str | Path) -> None:
+    """ConfigError for a config file that is missing, too large or nested too deep, without
+    building it: cheap enough to run before a launch creates its run dir."""
+    path = Path(path)
+    _check_depth(_read_text(path), str(path))
+
+
+def _check_depth(text: str, source: str) -> None:
+    """ConfigError for YAML nested deeper than MAX_CONFIG_DEPTH. The event parser keeps its own
+    stack, so walking the events cannot overflow where the recursive composer would."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_CONFIG_DEPTH:
+                    line = event.start_mark.line + 1
+                    raise ConfigError(
+                        f"{source} nests mappings or lists more than {MAX_CONFIG_DEPTH} deep "
+                        f"(at line {line}); a run config is sections of keys, two or three "
+                        "levels (fix: flatten it, e.g. train: {lr: 3e-4})"
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {source}:\n{e}") from e
 
 
 def parse_config(
@@ -54,10 +96,21 @@ def parse_config(
 
 
 def _parse_yaml(text: str, source: str) -> dict:
+    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{source} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, the limit for a run config "
+            "(fix: pass the YAML run config, a few KB)"
+        )
+    _check_depth(text, source)
     try:
         raw = yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML in {source}:\n{e}") from e
+    except RecursionError:
+        # Aliases can nest a structure deeper than its text shows.
+        raise ConfigError(
+            f"{source} nests too deep to load (fix: flatten it; a run config is sections of keys)"
+        ) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

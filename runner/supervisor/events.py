@@ -40,15 +40,7 @@ class EventLog:
         if log_format not in LOG_FORMATS:
             raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
         self.run_dir = run_dir
-        self._file = open_append(run_dir / SUPERVISOR_LOG)
-        self._log = structlog.wrap_logger(
-            structlog.PrintLogger(self._file),
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=True),
-                structlog.processors.JSONRenderer(sort_keys=True),
-            ],
-        )
+        self._open_log()
         self._console = console
         self._json = log_format == "json"
         self._color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -66,10 +58,38 @@ class EventLog:
         except OSError as e:
             raise RunDirWriteError.wrap(e, self.run_dir / EVENTS_FILE) from e
         try:
+            self._reopen_if_gone()
             getattr(self._log, level)(event, reason=reason, **fields)
         except OSError as e:
             raise RunDirWriteError.wrap(e, self.run_dir / SUPERVISOR_LOG) from e
         self.record_console_loss()
+
+    def _open_log(self) -> None:
+        self._file = open_append(self.run_dir / SUPERVISOR_LOG)
+        self._log = structlog.wrap_logger(
+            structlog.PrintLogger(self._file),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.JSONRenderer(sort_keys=True),
+            ],
+        )
+
+    def _reopen_if_gone(self) -> None:
+        """Open supervisor.log afresh when the file this log writes to is no longer at its path
+        (deleted or replaced under a running supervisor): writes to the unlinked file would go
+        on succeeding, and every later event would be lost to `m3run logs --supervisor`."""
+        path = self.run_dir / SUPERVISOR_LOG
+        try:
+            at_path = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            at_path = None
+        held = os.fstat(self._file.fileno())
+        if at_path is not None and (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino):
+            return
+        with contextlib.suppress(OSError):
+            self._file.close()
+        self._open_log()
 
     def lose_console(self, why: str) -> None:
         """Go on without the console: stdout and stderr are pointed at /dev/null, so that no

@@ -17,6 +17,7 @@ import yaml
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.config import (
     ConfigError,
+    check_config_file,
     config_hash,
     keep_legacy_values,
     load_config,
@@ -254,6 +255,15 @@ def _check_path_text(run_dir: Path) -> None:
         ) from None
 
 
+def _check_config_file(config: Path) -> None:
+    """A config file that is missing, too large or too deep is refused before the run dir is
+    made: a refusal must not leave a dir that looks like a run."""
+    try:
+        check_config_file(config)
+    except ConfigError as e:
+        raise LaunchError(str(e), EXIT_CONFIG) from None
+
+
 def _refused(err: LaunchError | OSError) -> int:
     """Print why the launch is refused; its exit code (78 for a run dir that cannot be
     written)."""
@@ -272,6 +282,7 @@ def launch(opts: LaunchOptions) -> int:
     try:
         resume = check_resume(opts.resume)
         _check_path_text(opts.run_dir)
+        _check_config_file(opts.config)
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         refuse_symlinks(opts.run_dir, RUN_DIR_FILES, (RANK_HEARTBEAT_GLOB, WORKER_EXIT_GLOB))
         refuse_live_run(opts.run_dir)
@@ -319,6 +330,10 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
     """Start the supervisor as a daemon (its own session, output to supervisor.log) and return
     once it has written state.json with its pid. Returns 0, or the daemon's exit code if it
     refused to start."""
+    try:
+        _check_config_file(opts.config)
+    except LaunchError as e:
+        return _refused(e)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,

@@ -15,16 +15,19 @@ Protocols:
 - Azure: ``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``; an
   event of type ``Preempt`` (spot eviction) or ``Terminate`` that names this VM is a notice.
 
-Requests use only the standard library, never a proxy, a 1 s timeout and no retries: a poll
-that fails is logged (at most once a minute) and the next poll tries again. Nothing here raises
+Requests use only the standard library, never a proxy, 1 s for the whole exchange (however
+slowly an answer trickles in) and no retries: a poll that fails is logged (at most once a
+minute) and the next poll tries again. Nothing here raises
 into the supervisor once a watcher is constructed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.error
@@ -57,8 +60,54 @@ NOTICE_S = {"aws": 120.0, "gcp": GCP_NOTICE_S, "azure": 30.0}
 SAVE_BUDGET_SHARE = 0.75
 AZURE_NOTICE_TYPES = ("Preempt", "Terminate")
 
+
+class _Exchange:
+    """One request's socket, shut down at the request's deadline. A socket timeout bounds each
+    recv only: a server that trickles its answer a byte a second keeps every recv short and the
+    watcher in read() for as long as it likes. Shutting the socket down wakes any blocked recv,
+    whichever part of the answer it is reading."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.cut = False
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.cut:
+                self._shut()
+
+    def cut_off(self) -> None:
+        with self._lock:
+            self.cut = True
+            self._shut()
+
+    def _shut(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+
+# The exchange of the request this thread is making; its connection attaches its socket.
+_current = threading.local()
+
+
+class _BoundedConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        exchange = getattr(_current, "exchange", None)
+        if exchange is not None:
+            exchange.attach(self.sock)
+
+
+class _BoundedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_BoundedConnection, req)
+
+
 # Metadata services are link-local; an http_proxy from the environment must never see them.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _BoundedHTTPHandler)
 
 
 @dataclass(frozen=True)
@@ -91,20 +140,38 @@ def _request(
     headers: Mapping[str, str],
     timeout_s: float,
 ) -> tuple[int, http.client.HTTPMessage, bytes]:
-    """One HTTP exchange; HTTP error statuses are returned, transport failures raise."""
+    """One HTTP exchange, all of it (connect, headers, body) within ``timeout_s``; HTTP error
+    statuses are returned, transport failures and a deadline passed raise."""
     data = b"" if method == "PUT" else None
     req = urllib.request.Request(url, data=data, headers=dict(headers), method=method)
+    exchange = _Exchange()
+    timer = threading.Timer(timeout_s, exchange.cut_off)
+    timer.daemon = True
+    _current.exchange = exchange
+    timer.start()
     try:
         with _OPENER.open(req, timeout=timeout_s) as resp:
             return resp.status, resp.headers, resp.read()
     except urllib.error.HTTPError as err:
         try:
             return err.code, err.headers, err.read()
+        except (OSError, http.client.HTTPException) as read_err:
+            raise MetadataError(_failed(method, url, read_err, exchange, timeout_s)) from read_err
         finally:
             err.close()
     except (OSError, http.client.HTTPException, ValueError) as err:
-        reason = getattr(err, "reason", err)
-        raise MetadataError(f"{method} {url} failed: {reason}") from err
+        raise MetadataError(_failed(method, url, err, exchange, timeout_s)) from err
+    finally:
+        timer.cancel()
+        _current.exchange = None
+
+
+def _failed(
+    method: str, url: str, err: BaseException, exchange: _Exchange, timeout_s: float
+) -> str:
+    if exchange.cut:
+        return f"{method} {url} failed: no complete answer within {timeout_s:g}s"
+    return f"{method} {url} failed: {getattr(err, 'reason', err)}"
 
 
 def _parse_iso(text: Any) -> float | None:

@@ -46,6 +46,9 @@ class StopControl:
         self.detail = ""
         self.force = False
         self.repeats = 0  # repeated requests that wait for the first one's save
+        # The worker was killed at a second Ctrl-C, before its grace ran out: the ending names
+        # that, not a grace it never waited out.
+        self.force_killed = False
         self.grace_used = stop_grace_s
 
     @property
@@ -116,6 +119,11 @@ class StopControl:
             )
         if exit_code == EXIT_STOPPED:
             how = f"worker saved and exited 75; last complete checkpoint step {ckpt}"
+        elif self.force_killed:
+            how = (
+                f"worker killed at a second Ctrl-C without waiting for its save "
+                f"({describe_exit(exit_code)}); last complete checkpoint step {ckpt}"
+            )
         else:
             how = (
                 f"worker did not exit 75 within the {self.grace_used:g}s stop grace "
@@ -162,6 +170,7 @@ class StopDelivery:
                 "force_kill", reason="second Ctrl-C: killing the worker now", level="warning"
             )
             self.kill_at = now
+            stops.force_killed = True
         if self.kill_at is not None and now >= self.kill_at:
             worker.kill()
 

@@ -5,6 +5,7 @@ code (torchrun exits 1 whatever its ranks' codes were: the ranks record theirs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -110,9 +111,24 @@ def worker_env(base: dict[str, str], attempt: int) -> dict[str, str]:
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
     env[SUPERVISOR_PID_ENV] = str(os.getpid())
-    if attempt > 1 and env.get(FAULT_SCOPE_ENV) == "first":
+    scope = env.get(FAULT_SCOPE_ENV)
+    if scope not in (None, "", "first", "all"):
+        _warn_fault_scope(scope)
+    if attempt > 1 and scope == "first":
         env.pop(FAULT_ENV, None)
     return env
+
+
+@functools.cache
+def _warn_fault_scope(scope: str) -> None:
+    """Once per value: a misspelt scope ("frist") would otherwise pass the fault to every
+    worker, and a chaos test would then read as a run that never heals."""
+    print(
+        f"warning: {FAULT_SCOPE_ENV}={scope!r} is not first or all; using all (the fault "
+        "reaches every worker)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _is_torchrun(argv: Sequence[str]) -> bool:

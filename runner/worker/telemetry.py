@@ -25,6 +25,7 @@ from m3run.runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_prob
 from .dist import Dist
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device name, for MFU when no measured peak is given.
+PEAK_FLOPS_ENV = "M3RUN_PEAK_FLOPS"
 _BF16_PEAK = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "H20": 148e12, "L40S": 362e12}
 
 
@@ -61,13 +62,26 @@ def peak_flops(device: torch.device) -> float | None:
     M3RUN_PEAK_FLOPS to that value to compare the two."""
     if device.type != "cuda":
         return None
-    if os.environ.get("M3RUN_PEAK_FLOPS"):
-        return float(os.environ["M3RUN_PEAK_FLOPS"])
     name = torch.cuda.get_device_name(device)
-    for key, peak in _BF16_PEAK.items():
-        if key in name:
-            return peak
-    return None
+    nominal = next((peak for key, peak in _BF16_PEAK.items() if key in name), None)
+    text = os.environ.get(PEAK_FLOPS_ENV)
+    if not text:
+        return nominal
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and value > 0:
+        return value
+    # A bad value would crash the worker (non-numeric) or make every MFU negative or infinite;
+    # the nominal peak keeps MFU meaningful, and the warning says it was not the asked one.
+    instead = f"the nominal bf16 peak of {name} ({nominal:.3g})" if nominal else "no MFU"
+    print(
+        f"warning: {PEAK_FLOPS_ENV}={text!r} is not a positive number of FLOP/s; using "
+        f"{instead} instead (fix: e.g. {PEAK_FLOPS_ENV}=7.5e14, or unset it)",
+        flush=True,
+    )
+    return nominal
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,16 @@ def test_launch_argument_errors(tmp_path):
     assert result.exit_code == 2 and "plain directory name" in result.output
 
 
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1bb", "a\\b", "a\tb"])
+def test_launch_refuses_a_name_with_a_control_character_or_separator(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("M3RUN_RUNS", str(tmp_path / "runs"))
+    result = invoke("launch", DEMO, "--name", name)
+    assert result.exit_code == 2, result.output
+    assert "plain directory name" in result.output
+    assert result.output.strip().count("\n") == 0  # one line: the name is shown escaped
+    assert not (tmp_path / "runs").exists()
+
+
 def test_launch_bad_and_changed_config_exit_78(tmp_path):
     run_dir = tmp_path / "r"
     result = invoke("launch", DEMO, "--run-dir", run_dir, "--set", "train.lr=-1")
@@ -426,3 +436,15 @@ def test_status_watch_off_a_terminal_prints_a_frame_per_interval(tmp_path):
     assert watch.returncode == 0, out
     assert out.splitlines()[1].startswith("phase      running")
     assert "phase      finished" in out
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["foreground", "detached"])
+def test_launch_refuses_a_too_deep_config_without_making_the_run_dir(tmp_path, detach):
+    config = tmp_path / "deep.yaml"
+    config.write_text("model: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n")
+    run_dir = tmp_path / "r"
+    args = ["--detach"] if detach else []
+    result = invoke("launch", config, "--run-dir", run_dir, *args)
+    assert result.exit_code == EXIT_CONFIG, result.output
+    assert "more than" in result.output and "Traceback" not in result.output
+    assert not run_dir.exists()

@@ -556,3 +556,22 @@ def test_importing_the_config_does_not_import_torch():
 def test_a_boolean_is_not_a_number(key):
     with pytest.raises(ConfigError, match=rf"{key}: must be a number, got the boolean True"):
         load_config(DEMO, [f"{key}=yes"])
+
+
+# --- oversized and deeply nested files -------------------------------------------------------
+
+
+def test_deeply_nested_yaml_is_a_config_error_not_a_recursion_error():
+    deep = "model: " + "[" * 5000 + "]" * 5000 + "\n"
+    message = _error(deep)
+    assert "nests mappings or lists more than" in message and "fix:" in message
+
+
+def test_oversized_config_file_is_refused_before_parsing(tmp_path):
+    from m3run.runner.config.loading import MAX_CONFIG_BYTES
+
+    path = tmp_path / "big.yaml"
+    path.write_text(MINIMAL + "# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"larger than {MAX_CONFIG_BYTES // 2**20} MiB" in str(info.value)

@@ -6,6 +6,7 @@ is given a 127.0.0.1 base URL (or the "none" provider, which sends nothing).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -288,3 +289,41 @@ def test_the_save_budget_against_each_providers_notice() -> None:
         edge = SAVE_BUDGET_SHARE * notice - 5.0
         assert save_budget_warning(provider, 5.0, 0.0, 0.0, edge) is None
         assert save_budget_warning(provider, 5.0, 0.0, 0.0, edge + 0.5) is not None
+
+
+def test_a_poll_against_an_endpoint_that_trickles_its_body_returns_within_the_bound() -> None:
+    """Each byte comes well within the per-recv timeout, so only a bound on the whole request
+    ends the poll: the GCP answer, TRUE, would otherwise take a minute to arrive."""
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(4096)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nContent-Type: text/plain\r\n"
+                b"Content-Length: 60\r\n\r\n"
+            )
+            for _ in range(60):
+                if stop.wait(0.5):
+                    return
+                with contextlib.suppress(OSError):
+                    conn.sendall(b" ")
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        accept = threading.Thread(
+            target=lambda: serve(listener.accept()[0]), daemon=True, name="trickle"
+        )
+        accept.start()
+        watcher = PreemptionWatcher(
+            "gcp", f"http://127.0.0.1:{port}", poll_s=60, on_notice=Recorder(), timeout_s=1.0
+        )
+        started = time.monotonic()
+        try:
+            assert watcher.check_once() is None
+            assert time.monotonic() - started < 2.0
+        finally:
+            stop.set()
+            accept.join(5)

@@ -518,7 +518,11 @@ def test_second_sigint_kills_the_worker_at_once(tmp_path, standin):
     out, _ = proc.communicate(timeout=20)
     assert time.monotonic() - t0 < 5, "the second SIGINT should not wait out the 60 s grace"
     assert proc.returncode == EXIT_OK, out
-    assert "force_kill" in [e["event"] for e in read_jsonl(run_dir / EVENTS_FILE)]
+    events = read_jsonl(run_dir / EVENTS_FILE)
+    assert "force_kill" in [e["event"] for e in events]
+    # The ending says what happened: a kill at the second Ctrl-C, not a grace that ran out.
+    ending = events[-1]["reason"]
+    assert "killed at a second Ctrl-C" in ending and "stop grace" not in ending, ending
 
 
 # --------------------------------------------------------------------------- GPU gate & VRAM
