@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from .faults import standby_fault
 from .preimport import COMPILE_STACK
 
 _activated_at: float | None = None
@@ -30,6 +31,7 @@ def wait_for_arguments() -> list[str] | None:
     """Import the compile stack, then block until the supervisor writes the worker's arguments;
     None at EOF. A malformed line is an error: the supervisor wrote it."""
     global _activated_at
+    standby_fault()
     for name in COMPILE_STACK:
         importlib.import_module(name)
     line = sys.stdin.readline()
