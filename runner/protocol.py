@@ -120,6 +120,12 @@ STANDBY_ARG = "--standby"
 # events.jsonl "event" of a supervisor whose console is gone (a closed terminal's SIGHUP, EIO or
 # EPIPE on stdout): the run goes on, recorded in the run dir only, as a detached one is.
 CONSOLE_LOST_EVENT = "console_lost"
+# events.jsonl "event"s of the warm spare (runner/supervisor/spare.py): one spare exited before it
+# was handed a run; one was found stopped at the handover and killed; too many failed, so the
+# run goes on without spares.
+SPARE_FAILED_EVENT = "spare_failed"
+SPARE_DISCARDED_EVENT = "spare_discarded"
+SPARES_OFF_EVENT = "spares_off"
 
 # ----------------------------------------------------------------------------- phases
 
