@@ -7,11 +7,17 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
-from helpers.runs import worker_env
+from helpers.runs import tiny_run_overrides, worker_env
+from helpers.training import worker_cmd
 
+from m3run.runner.files import read_json
+from m3run.runner.procs import signal_group
 from m3run.runner.protocol import (
+    EXIT_STOPPED,
+    HEARTBEAT_FILE,
     SPARE_DISCARDED_EVENT,
     SPARE_FAILED_EVENT,
     SPARE_FAULT_ENV,
@@ -100,3 +106,30 @@ def test_a_stopped_spare_is_killed_at_the_handover_not_handed_the_run(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert events.names == [SPARE_DISCARDED_EVENT]
     assert spare.proc is None and spare.failures == 1
+
+
+def _waits_on_stdin(pid: int) -> bool:
+    """Whether the process sleeps reading a pipe (its stdin: the spare has nothing else open)."""
+    try:
+        return "pipe_read" in Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
+
+
+def test_a_stop_sent_at_the_handover_lets_the_new_worker_save(corpus, tmp_path):
+    """The supervisor hands the waiting spare a run and SIGTERMs it at once (a stop that came
+    during the restart), before the worker has installed its own handler: the new worker
+    must not die of it but stop as any worker does, saving and exiting 75."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spare = WarmSpare(run_dir)
+    spare.start(worker_env())
+    proc = spare.proc
+    deadline = time.monotonic() + 180
+    while not _waits_on_stdin(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, "the spare never waited"
+        time.sleep(0.02)
+    assert spare.take(worker_cmd(run_dir, tiny_run_overrides(corpus))[3:]) is proc
+    signal_group(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=240) == EXIT_STOPPED, (run_dir / WORKER_LOG).read_text()
+    assert read_json(run_dir / HEARTBEAT_FILE)["phase"] == WorkerPhase.STOPPED
