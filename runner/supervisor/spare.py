@@ -55,7 +55,7 @@ from m3run.runner.protocol import (
 # The spare's command line: the worker's module with the one standby argument.
 SPARE_ARGV = (sys.executable, "-m", "m3run.runner.train", STANDBY_ARG)
 # Spares that may fail before the run stops starting them: one can die of a passing cause (the
-# host short of memory); this many in a row means the next would die the same way.
+# host short of memory); this many in one run means the next would die the same way.
 MAX_SPARE_FAILURES = 3
 # psutil statuses of a spare that would not run if handed the worker's arguments.
 _NOT_RUNNING = frozenset(
