@@ -107,6 +107,10 @@ FAULT_ENV = "M3RUN_FAULT"
 # first worker it starts only, so a chaos test can make one worker misbehave and check that the
 # restarted one heals the run; "all" (the default) passes it to every worker.
 FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
+# Test-only fault of the warm spare, read by `--standby` alone and passed to every spare whatever
+# M3RUN_FAULT_SCOPE says: "crash_at_import" makes each spare exit 1 during its imports, before it
+# reads its arguments (a spare that cannot start); a worker started plainly ignores it.
+SPARE_FAULT_ENV = "M3RUN_SPARE_FAULT"
 # Set by the supervisor for the worker it starts: its own pid, so the worker can tell its
 # supervisor's supervisor.lock from another supervisor's (then it refuses to write).
 SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"
@@ -116,6 +120,12 @@ STANDBY_ARG = "--standby"
 # events.jsonl "event" of a supervisor whose console is gone (a closed terminal's SIGHUP, EIO or
 # EPIPE on stdout): the run goes on, recorded in the run dir only, as a detached one is.
 CONSOLE_LOST_EVENT = "console_lost"
+# events.jsonl "event"s of the warm spare (runner/supervisor/spare.py): one spare exited before it
+# was handed a run; one was found stopped at the handover and killed; too many failed, so the
+# run goes on without spares.
+SPARE_FAILED_EVENT = "spare_failed"
+SPARE_DISCARDED_EVENT = "spare_discarded"
+SPARES_OFF_EVENT = "spares_off"
 
 # ----------------------------------------------------------------------------- phases
 

@@ -10,6 +10,13 @@ When the supervisor restarts the worker it writes the attempt's header to worker
 worker's arguments (resume, lr scale) to the spare's stdin as one JSON line; the spare becomes
 the worker. A spare that has died is replaced by a fresh spawn, as without one.
 
+A spare that exits before it is handed a run (its imports fail: a broken install, a missing
+library) is recorded (``spare_failed``), and after ``MAX_SPARE_FAILURES`` of them the run goes on
+without spares (``spares_off``): each one costs a full import, and the next would fail the same
+way. A spare found stopped (SIGSTOP, a debugger) at the handover is killed (``spare_discarded``,
+which counts as a failure) and a plain worker starts at once: handed the run, it would only be
+ended as hung once the startup allowance ran out.
+
 A launch that runs the preflight smoke test starts a spare before it, so that the first
 worker's imports overlap the smoke test instead of following it: the first worker is that
 spare. A launch that skips the smoke test spawns its first worker at once, with nothing to
@@ -33,19 +40,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from m3run.runner.procs import signal_group, spawn_logged
-from m3run.runner.protocol import STANDBY_ARG, WORKER_LOG, WorkerPhase
+from m3run.runner.protocol import (
+    SPARE_DISCARDED_EVENT,
+    SPARE_FAILED_EVENT,
+    SPARES_OFF_EVENT,
+    STANDBY_ARG,
+    WORKER_LOG,
+    WorkerPhase,
+)
 
 # The spare's command line: the worker's module with the one standby argument.
 SPARE_ARGV = (sys.executable, "-m", "m3run.runner.train", STANDBY_ARG)
+# Spares that may fail before the run stops starting them: one can die of a passing cause (the
+# host short of memory); this many in one run means the next would die the same way.
+MAX_SPARE_FAILURES = 3
+# psutil statuses of a spare that would not run if handed the worker's arguments.
+_NOT_RUNNING = frozenset(
+    {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+)
 
 
 class WarmSpare:
-    """At most one spare worker process for ``run_dir``."""
+    """At most one spare worker process for ``run_dir``. ``emit(event, reason, level, **fields)``
+    records its failures (the supervisor's event log)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, emit: Callable[..., None] | None = None):
         self.run_dir = run_dir
         self.proc: subprocess.Popen | None = None
+        self.failures = 0
+        self.off = False  # too many failed: no more spares this run
+        self._emit = emit or (lambda *a, **k: None)
 
     def ready(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -58,10 +85,12 @@ class WarmSpare:
 
     def start(self, env: dict[str, str]) -> None:
         """Spawn a spare unless one is waiting. Its output (nothing, unless its imports fail)
-        goes to worker.log."""
+        goes to worker.log. Nothing once too many have failed."""
         if self.ready():
             return
-        self.discard()
+        self._dead_before_handover()
+        if self.off:
+            return
         self.proc, _ = spawn_logged(
             SPARE_ARGV, self.run_dir / WORKER_LOG, env=env, stdin=subprocess.PIPE
         )
@@ -70,18 +99,82 @@ class WarmSpare:
         """Hand the waiting spare ``worker_args`` (the worker's arguments after its module)
         and return it as the new worker's process; None when no live spare waits (the caller
         spawns a fresh worker)."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            self._reap(proc)
+        if not self.usable():
             return None
+        proc, self.proc = self.proc, None
         try:
             assert proc.stdin is not None
             proc.stdin.write((json.dumps(worker_args) + "\n").encode())
             proc.stdin.close()  # one command; EOF after it
         except OSError:  # it died between the poll and the write
-            self._reap(proc)
+            self._failed(proc)
             return None
         return proc
+
+    def usable(self) -> bool:
+        """Whether a spare waits that can be handed a run: alive and not stopped. A dead one is
+        recorded as failed, a stopped one killed and recorded; the caller then spawns a plain
+        worker at once instead of waiting on it."""
+        if self._dead_before_handover() or self.proc is None:
+            return False
+        try:
+            status = psutil.Process(self.proc.pid).status()
+        except psutil.Error:
+            status = psutil.STATUS_DEAD
+        if status not in _NOT_RUNNING:
+            return True
+        pid = self.proc.pid
+        self.discard()
+        self._emit(
+            SPARE_DISCARDED_EVENT,
+            reason=f"warm spare pid {pid} is {status!r}, not running, at the handover: killed "
+            "it and started a plain worker instead of waiting on it. Something stopped it "
+            "(SIGSTOP, a debugger); leave the spare alone, or set supervisor.warm_spare=false",
+            level="warning",
+            pid=pid,
+            status=status,
+        )
+        self._count_failure()
+        return False
+
+    def _dead_before_handover(self) -> bool:
+        """Record the spare as failed if it exited before it was handed a run: a waiting spare
+        ends only by its own error or a kill from outside (``discard`` forgets it first)."""
+        proc = self.proc
+        if proc is None or proc.poll() is None:
+            return False
+        self.proc = None
+        self._failed(proc)
+        return True
+
+    def _failed(self, proc: subprocess.Popen) -> None:
+        self._reap(proc)
+        self._emit(
+            SPARE_FAILED_EVENT,
+            reason=f"warm spare pid {proc.pid} exited with code {proc.returncode} before it "
+            f"was handed a run (failure {self.failures + 1} of at most {MAX_SPARE_FAILURES}); "
+            f"its error is in {self.run_dir / WORKER_LOG}: fix it, or set "
+            "supervisor.warm_spare=false",
+            level="warning",
+            pid=proc.pid,
+            exit_code=proc.returncode,
+        )
+        self._count_failure()
+
+    def _count_failure(self) -> None:
+        self.failures += 1
+        if self.failures < MAX_SPARE_FAILURES or self.off:
+            return
+        self.off = True
+        self._emit(
+            SPARES_OFF_EVENT,
+            reason=f"{self.failures} warm spares failed before they were handed a run (at most "
+            f"{MAX_SPARE_FAILURES}): no more spares this run, each restart starts a plain "
+            f"worker. Fix the error in {self.run_dir / WORKER_LOG}, then relaunch to have "
+            "spares again, or set supervisor.warm_spare=false",
+            level="warning",
+            failures=self.failures,
+        )
 
     def discard(self) -> None:
         """Kill the spare, if any, and reap it."""
@@ -115,8 +208,9 @@ class SparePolicy:
         mode: bool | str,
         has_gpu: Callable[[], bool],
         env_for: Callable[[int], dict[str, str]],
+        emit: Callable[..., None] | None = None,
     ):
-        self.spare = WarmSpare(run_dir)
+        self.spare = WarmSpare(run_dir, emit)
         self.mode = mode
         self._has_gpu = has_gpu
         self._env_for = env_for

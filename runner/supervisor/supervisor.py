@@ -134,6 +134,7 @@ class Supervisor:
             settings.warm_spare,
             lambda: self.gpu is not None and self.gpu.has_gpu,
             lambda attempt: worker_env(self.env, attempt),
+            self.log.emit,
         )
         self.preflight = Preflight(
             self.gpu, smoke, settings, self.log, lambda: self.stops.requested

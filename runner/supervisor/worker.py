@@ -190,7 +190,7 @@ class WorkerProcess:
         log_path = run_dir / WORKER_LOG
         header = f"m3run supervisor: worker attempt {attempt}: {command_line(argv)}"
         proc = None
-        if spare is not None and spare.ready() and spare.runs(argv):
+        if spare is not None and spare.runs(argv) and spare.usable():
             offset = append_header(log_path, f"{header} (the warm spare)")
             proc = spare.take(argv[3:])
         self.from_spare = proc is not None

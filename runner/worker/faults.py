@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m3run.runner.protocol import FAULT_ENV
+from m3run.runner.protocol import FAULT_ENV, SPARE_FAULT_ENV
 
 HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 
@@ -127,6 +127,14 @@ class Faults:
         if self._once("save_error_at_step", step):
             print(f"[fault] checkpoint write error at step {step}", flush=True)
             raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")
+
+
+def standby_fault() -> None:
+    """Called by a warm spare before its last imports (runner/worker/standby.py): the
+    M3RUN_SPARE_FAULT hook."""
+    if os.environ.get(SPARE_FAULT_ENV) == "crash_at_import":
+        print("[fault] warm spare crash during its imports", flush=True)
+        os._exit(1)  # a spare that cannot start, as a broken install makes it
 
 
 def _forever() -> None:

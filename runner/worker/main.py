@@ -78,6 +78,8 @@ def run(
         trainer.startup_times["imported"] = imported
         signal.signal(signal.SIGTERM, trainer._on_signal)
         signal.signal(signal.SIGINT, trainer._on_signal)
+        if trainer.stop_signal is None:  # a stop sent at a warm spare's handover
+            trainer.stop_signal = standby.stop_signal()
         trainer.setup()
         if trainer.stop_signal is not None:
             raise StopRequested

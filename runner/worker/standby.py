@@ -7,18 +7,37 @@ then waits for one line on stdin: the worker's arguments as a JSON list. EOF ins
 supervisor discarded the spare or is gone) ends the process quietly. The moment the arguments
 arrive is the worker's start for its startup record: the imports before it were paid while the
 previous worker was still training, or, for a launch's first worker, while the smoke test ran.
+
+From the moment it waits, a SIGTERM or SIGINT is recorded, not fatal: the supervisor may stop
+the run right after handing the spare its arguments, before the worker's own handler is in
+place, and the new worker must then save and exit 75 like any stopped worker
+(runner/worker/main.py takes the recorded signal over).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import signal
 import sys
 import time
 
+from .faults import standby_fault
 from .preimport import COMPILE_STACK
 
 _activated_at: float | None = None
+_stop_signal: int | None = None
+
+
+def _record_stop(signum: int, _frame: object) -> None:
+    # Only record it: the worker acts on it once its trainer exists.
+    global _stop_signal
+    _stop_signal = signum
+
+
+def stop_signal() -> int | None:
+    """The SIGTERM or SIGINT this spare received before its worker's handler was installed."""
+    return _stop_signal
 
 
 def activated_at() -> float | None:
@@ -30,6 +49,9 @@ def wait_for_arguments() -> list[str] | None:
     """Import the compile stack, then block until the supervisor writes the worker's arguments;
     None at EOF. A malformed line is an error: the supervisor wrote it."""
     global _activated_at
+    signal.signal(signal.SIGTERM, _record_stop)
+    signal.signal(signal.SIGINT, _record_stop)
+    standby_fault()
     for name in COMPILE_STACK:
         importlib.import_module(name)
     line = sys.stdin.readline()

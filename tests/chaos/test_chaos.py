@@ -32,10 +32,15 @@ from m3run.runner.protocol import (
     FAULT_ENV,
     FAULT_SCOPE_ENV,
     METRICS_FILE,
+    SPARE_DISCARDED_EVENT,
+    SPARE_FAILED_EVENT,
+    SPARE_FAULT_ENV,
+    SPARES_OFF_EVENT,
     STANDBY_ARG,
     SUPERVISOR_PID_ENV,
     WORKER_LOG,
 )
+from m3run.runner.supervisor.spare import MAX_SPARE_FAILURES
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +134,66 @@ def test_sigkill_hands_the_run_to_the_warm_spare(corpus, reference, tmp_path):
     assert train_losses(run.run_dir) == train_losses(reference)
     assert_same_weights(run.run_dir, reference, "(the spare resumed the run)")
     assert not _spares_of(sup), "a spare outlived its supervisor's run"
+
+
+def _events(run: Run, name: str) -> list[dict]:
+    return [e for e in read_jsonl(run.run_dir / EVENTS_FILE) if e["event"] == name]
+
+
+def test_spares_that_cannot_start_are_given_up_and_restarts_spawn_plainly(
+    corpus, reference, tmp_path
+):
+    """Every spare exits 1 during its imports (M3RUN_SPARE_FAULT, which reaches spares whatever
+    the fault scope). The first worker holds before step 6, its heartbeat going, so a spare is
+    due at every poll: after MAX_SPARE_FAILURES failures the supervisor says it gives up and
+    starts no more. A SIGKILL then restarts the run with a plain worker, and the run ends
+    bitwise equal to the uninterrupted one."""
+    env = worker_env(
+        **{
+            FAULT_ENV: "hold_at_step=6",
+            FAULT_SCOPE_ENV: "first",
+            SPARE_FAULT_ENV: "crash_at_import",
+        }
+    )
+    run = Run(tmp_path / "run", overrides(corpus, **{"supervisor.warm_spare": "true"}), env=env)
+    first = run.worker_at(5)
+    run.wait_for(lambda: _events(run, SPARES_OFF_EVENT), "spares given up", timeout=240)
+    os.kill(first, signal.SIGKILL)
+    assert run.wait(timeout=240) == EXIT_OK, run.output()
+    assert len(_events(run, SPARE_FAILED_EVENT)) == MAX_SPARE_FAILURES
+    assert len(_events(run, SPARES_OFF_EVENT)) == 1
+    assert [e["warm_spare"] for e in _events(run, "worker_start")] == [False, False]
+    crashes = (run.run_dir / WORKER_LOG).read_text().count("[fault] warm spare crash")
+    assert crashes == MAX_SPARE_FAILURES, crashes
+    assert_same_weights(run.run_dir, reference, "(restarted without spares)")
+
+
+def test_a_stopped_spare_is_discarded_and_the_restart_is_immediate(corpus, reference, tmp_path):
+    """The waiting spare is SIGSTOPped, then the worker SIGKILLed: the supervisor finds the
+    spare stopped at the handover, kills it and spawns a plain worker at once, instead of
+    handing it the run and waiting out the startup allowance for a heartbeat that never comes
+    (no hang is ever reported). The run ends bitwise equal to the uninterrupted one."""
+    env = worker_env(**{FAULT_ENV: "hold_at_step=6", FAULT_SCOPE_ENV: "first"})
+    run = Run(tmp_path / "run", overrides(corpus, **{"supervisor.warm_spare": "true"}), env=env)
+    sup = run.proc.pid
+    first = run.worker_at(5)
+    spare = run.wait_for(lambda: _spares_of(sup), "a warm spare")[0]
+    spare.suspend()
+    run.wait_for(lambda: spare.status() == psutil.STATUS_STOPPED, "the spare stopped")
+    os.kill(first, signal.SIGKILL)
+    assert run.worker_at(6, after_pid=first) != spare.pid
+    assert run.wait() == EXIT_OK, run.output()
+    names = [e["event"] for e in read_jsonl(run.run_dir / EVENTS_FILE)]
+    # The discard is the handover itself: the one event between the restart's preparation and
+    # the next worker's start.
+    handover = names[names.index("worker_exit") :]
+    restart = handover.index("worker_start")
+    assert handover[restart - 1] == SPARE_DISCARDED_EVENT, handover
+    assert "hang" not in names, names
+    assert [e["warm_spare"] for e in _events(run, "worker_start")] == [False, False]
+    assert _events(run, SPARE_DISCARDED_EVENT)[0]["pid"] == spare.pid
+    assert not spare.is_running(), "the stopped spare outlived the handover"
+    assert_same_weights(run.run_dir, reference, "(restarted past a stopped spare)")
 
 
 def test_sigterm_saves_stops_and_relaunch_resumes_exactly(corpus, reference, tmp_path):
