@@ -89,8 +89,11 @@ def prepare(a: argparse.Namespace) -> Path:
 
 
 def run_config(a: argparse.Namespace, data_dir: Path, sets: list[str] = ()):
-    """The recipe with the benchmark's shapes, schedule and data; the caller's overrides last."""
-    from m3run.runner.config import load_config
+    """bench_train's config (the recipe with the benchmark's batch, compile, backend and data,
+    no eval) with this benchmark's schedule, sequence length and vocabulary, no resets; the
+    caller's overrides last."""
+    from bench_train import run_config as train_run_config
+
     from m3run.runner.data.loader import TokenWindows
 
     windows = TokenWindows(data_dir / "train", 8)
@@ -98,25 +101,28 @@ def run_config(a: argparse.Namespace, data_dir: Path, sets: list[str] = ()):
         vocab = int(windows.manifest["vocab_size"])
     finally:
         windows.close()
-    overrides = [
+    ours = [
         f"model.vocab_size={vocab}",
-        f"train.micro_batch_size={a.micro_batch}",
-        f"train.grad_accum_steps={a.accum}",
         f"train.total_steps={a.steps}",
         f"train.warmup_steps={a.warmup}",
         f"train.lr={a.lr}",
         "train.schedule=cosine",
-        f"train.compile={'false' if a.dry_run or a.no_compile else 'true'}",
-        "data.sources=null",
-        f"data.train_path={data_dir / 'train'}",
-        f"data.val_path={data_dir / 'val'}",
         f"data.seq_len={a.seq_len}",
-        "data.reset_at_eos=false",
-        "eval.interval_steps=0",
     ]
-    if a.dry_run:
-        overrides += ["train.device=cpu", "train.precision=fp32", "model.scan_backend=pytorch"]
-    return load_config(DRY_RECIPE if a.dry_run else RECIPE, [*overrides, *sets])
+    recipe = DRY_RECIPE if a.dry_run else RECIPE
+    backend = "pytorch" if a.dry_run else "auto"
+    compile_ = not (a.dry_run or a.no_compile)
+    return train_run_config(
+        recipe,
+        a.micro_batch,
+        a.accum,
+        compile_,
+        data_dir,
+        backend,
+        a.dry_run,
+        resets=False,
+        sets=(*ours, *sets),
+    )
 
 
 def build(kind: str, cfg, device: torch.device, official: Callable | None):
