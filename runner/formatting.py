@@ -15,3 +15,8 @@ def format_duration(seconds: Any) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """1 document, 2 documents, 1,234 files: a count with its noun in the right number."""
+    return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"

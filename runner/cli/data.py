@@ -8,9 +8,16 @@ from typing import Annotated
 import typer
 
 from m3run.runner.cli.app import app, fail
+from m3run.runner.formatting import count
 
 
-@app.command("prepare-data", epilog="Exit codes: 0 prepared · 78 an input or argument is bad.")
+@app.command(
+    "prepare-data",
+    epilog=(
+        "Exit codes: 0 prepared · 78 an input or argument is bad, or --out holds prepared "
+        "data (--force replaces it)."
+    ),
+)
 def prepare_data(
     inputs: Annotated[
         list[str] | None,
@@ -86,6 +93,10 @@ def prepare_data(
         int | None,
         typer.Option("--max-bytes", metavar="BYTES", help="Stop after this many bytes of text."),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace the prepared data that --out already holds."),
+    ] = False,
     progress_interval: Annotated[
         float,
         typer.Option(
@@ -97,12 +108,22 @@ def prepare_data(
 ) -> None:
     """Tokenise text into token shards with a manifest (train/ and val/ under --out)."""
     from m3run.runner.data.manifest import DataError
+    from m3run.runner.data.prepare import existing_output
     from m3run.runner.data.prepare import prepare_data as prepare
 
     if out is None:
         raise fail("m3run prepare-data: --out DIR is required (where train/ and val/ go)", 2)
     if not inputs and inputs_file is None:
         raise fail("m3run prepare-data: name inputs, or an --inputs-file listing them", 2)
+    held = existing_output(out)
+    if held and not force:
+        # A run that trains on this folder would silently read other tokens (another
+        # tokenizer, even) after a replacement: the replacement is asked for by name.
+        raise fail(
+            f"m3run prepare-data: --out {out} already holds prepared data ({held}); pass "
+            "--force to replace it, or choose another --out",
+            78,
+        )
     sep = {"blank": "blank", "none": None}.get(separator, separator)
     try:
         summary = prepare(
@@ -123,14 +144,19 @@ def prepare_data(
     except DataError as e:
         raise fail(f"m3run prepare-data: {e}", 78) from None
     for item in summary["inputs"]:
-        skipped = f", {len(item['skipped'])} files skipped" if item["skipped"] else ""
+        skipped = f", {count(len(item['skipped']), 'file')} skipped" if item["skipped"] else ""
         empty = f", {item['empty_dropped']:,} empty dropped" if item["empty_dropped"] else ""
         typer.echo(
-            f"input {item['input']}: {item['documents']:,} documents, {item['tokens']:,} "
-            f"tokens{empty}{skipped}"
+            f"input {item['input']}: {count(item['documents'], 'document')}, "
+            f"{count(item['tokens'], 'token')}{empty}{skipped}"
         )
     for split in ("train", "val"):
         s = summary[split]
-        typer.echo(f"{split}: {s['tokens']:,} tokens in {s['documents']:,} documents → {s['dir']}")
+        typer.echo(
+            f"{split}: {count(s['tokens'], 'token')} in {count(s['documents'], 'document')} "
+            f"→ {s['dir']}"
+        )
     for note in summary.get("notes", []):
         typer.echo(f"note: {note}")
+    for warning in summary.get("warnings", []):
+        typer.echo(f"warning: {warning}", err=True)

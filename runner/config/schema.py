@@ -236,6 +236,11 @@ class DataConfig(_Section):
             )
         return self
 
+    def split_paths(self) -> list[str]:
+        """Every prepared split the run reads: the training split or sources, then val."""
+        train = [s.path for s in self.sources] if self.sources else [self.train_path]
+        return [p for p in (*train, self.val_path) if p is not None]
+
 
 class CheckpointConfig(_Section):
     """When checkpoints are written, how many are kept, and where they are mirrored."""

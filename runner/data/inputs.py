@@ -18,6 +18,7 @@ from pathlib import Path
 
 from m3run.runner.data.manifest import DataError
 from m3run.runner.data.readers import file_format
+from m3run.runner.formatting import count
 
 __all__ = ["Input", "read_inputs_file", "resolve_inputs"]
 
@@ -58,15 +59,21 @@ class Input:
         if self.empty:
             extra += f", {self.empty} empty or whitespace-only dropped"
         if self.skipped:
-            extra += f", {len(self.skipped)} files skipped"
+            extra += f", {count(len(self.skipped), 'file')} skipped"
         n_files = len(self.files)
         if self.kind == "stdlib":
-            return f"stdlib (Python stdlib .py files under {self.root}): {self.documents} documents from {n_files} files{extra}"  # noqa: E501
+            return (
+                f"stdlib (Python stdlib .py files under {self.root}): "
+                f"{count(self.documents, 'document')} from {count(n_files, 'file')}{extra}"
+            )
         what = {"folder": "folder", "glob": "glob", "hf-disk": "HF save_to_disk", "hf": "HF"}
         if self.kind in what:
-            return f"{self.label} ({what[self.kind]}): {self.documents} documents from {n_files} files{extra}"  # noqa: E501
+            return (
+                f"{self.label} ({what[self.kind]}): "
+                f"{count(self.documents, 'document')} from {count(n_files, 'file')}{extra}"
+            )
         fmt = file_format(self.root)[0]
-        return f"{self.label} ({fmt}): {self.documents} documents{extra}"
+        return f"{self.label} ({fmt}): {count(self.documents, 'document')}{extra}"
 
     def record(self) -> dict:
         """What the manifest keeps of this input."""

@@ -16,7 +16,9 @@ Torch-free, so preparing or inspecting data never imports torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ __all__ = [
     "MANIFEST_NAME",
     "SPLITS",
     "DataError",
+    "fingerprint",
     "is_int",
     "load_manifest",
 ]
@@ -141,3 +144,18 @@ def load_manifest(split_dir: str | Path, verify: bool = False) -> dict:
             f"val_fraction=0): {hint} with inputs that have text"
         )
     return m
+
+
+def fingerprint(split_dirs: Iterable[str | Path]) -> str:
+    """A short hash of what the splits hold, from their manifests alone (a manifest lists its
+    shards' sha256, so new data means a new manifest): re-preparing data changes it, reading
+    it costs a few small files. A split without a readable manifest counts as missing."""
+    h = hashlib.sha256()
+    for split_dir in split_dirs:
+        h.update(str(split_dir).encode() + b"\0")
+        try:
+            h.update((Path(split_dir) / MANIFEST_NAME).read_bytes())
+        except OSError:
+            h.update(b"missing")
+        h.update(b"\0")
+    return h.hexdigest()[:16]

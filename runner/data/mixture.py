@@ -235,6 +235,10 @@ class MixtureLoader(WindowStream):
     def num_tokens(self) -> int:
         return sum(w.num_tokens for w in self.windows)
 
+    @property
+    def num_windows(self) -> int:
+        return sum(len(w) for w in self.windows)
+
     def counts(self) -> tuple[int, ...]:
         """Windows drawn from each source up to the position (batches handed out)."""
         return self.schedule.counts_at(self._consumed)

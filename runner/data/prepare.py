@@ -31,14 +31,16 @@ from m3run.runner.data.manifest import (
     MANIFEST_NAME,
     SPLITS,
     DataError,
+    load_manifest,
 )
 from m3run.runner.data.progress import Progress
 from m3run.runner.data.readers import BLANK_LINES
 from m3run.runner.data.shards import ShardWriter, move_document, move_tail, publish
 from m3run.runner.data.tokenizer import Tokenizer, parse_bpe_spec, train_bpe
 from m3run.runner.files import sha256_file
+from m3run.runner.formatting import count
 
-__all__ = ["VAL_SPLITS", "prepare_data"]
+__all__ = ["VAL_SPLITS", "existing_output", "prepare_data", "small_val_warning"]
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +271,64 @@ class _Splitter:
             )
 
 
+# A val split is checked against eval batches of micro-batch 8 at these common context lengths:
+# under _FEW_EVAL_BATCHES of the longest, prepare-data warns before a run finds out at its smoke
+# test (a run's eval needs micro_batch_size windows of seq_len + 1 tokens per batch).
+_EVAL_SEQ_LENS = (256, 1024, 2048)
+_EVAL_MICRO_BATCH = 8
+_FEW_EVAL_BATCHES = 2
+
+
+def small_val_warning(val_tokens: int, total_tokens: int, val_split: str) -> str | None:
+    """A warning when the val split holds under a few eval batches at common shapes, with the
+    --val-fraction that would give enough here; None when it holds enough (or val is off)."""
+
+    def batches(seq_len: int) -> int:
+        return max(val_tokens - 1, 0) // seq_len // _EVAL_MICRO_BATCH
+
+    longest = _EVAL_SEQ_LENS[-1]
+    if val_tokens == 0 or batches(longest) >= _FEW_EVAL_BATCHES:
+        return None
+    mb = _EVAL_MICRO_BATCH
+    fills = " / ".join(str(batches(t)) for t in _EVAL_SEQ_LENS)
+    lens = " / ".join(map(str, _EVAL_SEQ_LENS))
+    message = (
+        f"the val split is small: its {count(val_tokens, 'token')} make {fills} eval batches "
+        f"of {mb} windows at seq_len {lens}; a run whose eval needs more fails its smoke test "
+        "(exit 78). "
+    )
+    needed = _FEW_EVAL_BATCHES * mb * longest + 1
+    # A document-hash split takes a share of documents, so aim a little above the share of
+    # tokens needed.
+    fraction = needed / max(total_tokens, 1) * (1.0 if val_split == "tail" else 1.25)
+    if fraction >= 0.5:
+        return message + (
+            f"The corpus ({count(total_tokens, 'token')}) is too small for "
+            f"{_FEW_EVAL_BATCHES} eval batches at seq_len {longest}: add text, or train with "
+            "a shorter data.seq_len"
+        )
+    fraction = float(f"{fraction:.2g}")
+    return message + (
+        f"For {_FEW_EVAL_BATCHES} eval batches at seq_len {longest} ({needed:,} tokens), "
+        f"prepare again with --val-fraction {fraction:g} or more"
+    )
+
+
+def existing_output(out_dir: str | Path) -> str | None:
+    """What usable prepared data `out_dir` already holds (its tokenizer and token counts), or
+    None: preparing into it again replaces that data. A preparation that did not finish, or
+    data that fails its manifest's checks, holds nothing a run could use."""
+    out = Path(out_dir)
+    found = []
+    for split in SPLITS:
+        try:
+            m = load_manifest(out / split)
+        except DataError:
+            return None
+        found.append(f"{split}: {count(m['total_tokens'], 'token')}")
+    return f"{', '.join(found)}; tokenizer {m['tokenizer'].get('spec', '?')}"
+
+
 def _check_arguments(
     val_fraction: float, val_split: str, shard_tokens: int, max_bytes: int | None, workers: int
 ) -> None:
@@ -444,5 +504,11 @@ def prepare_data(
         }
         summary["documents"] += w.num_documents
     summary["notes"] = notes
+    warning = small_val_warning(
+        writers["val"].total_tokens,
+        writers["train"].total_tokens + writers["val"].total_tokens,
+        val_split,
+    )
+    summary["warnings"] = [warning] if warning else []
     summary["seconds"] = round(time.monotonic() - started, 3)
     return summary

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from m3run.runner.formatting import count
+
 __all__ = ["Progress"]
 
 
@@ -85,9 +87,13 @@ class Progress:
         self._last = now
         elapsed = max(now - self._started, 1e-9)
         of = f" (inputs: {_mb(self._total)} on disk)" if self._total else ""
-        counts = ""
-        if self._docs or self._tokens:
-            counts = f", {self._docs:,} documents, {self._tokens:,} tokens"
+        # A phase counts what it sees: reading text for the tokenizer's training counts
+        # documents, tokenising counts tokens too.
+        counts = "".join(
+            f", {count(n, noun)}"
+            for n, noun in ((self._docs, "document"), (self._tokens, "token"))
+            if n
+        )
         state = " done" if final else ""
         print(
             f"prepare-data: {self._description}{state}: {_mb(self._bytes)} of text{of}{counts}, "

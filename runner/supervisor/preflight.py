@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from m3run.runner.config import ConfigError, load_config
+from m3run.runner.data.manifest import fingerprint
 from m3run.runner.files import read_json
 from m3run.runner.health.checks import Verdict
 from m3run.runner.procs import LogTail, signal_group, spawn_logged
@@ -194,7 +196,7 @@ class GpuWatch:
 @dataclass(frozen=True)
 class SmokeResult:
     """What the preflight smoke test said: `passed` is the record to keep when it ran and
-    passed (config_hash, device, time), None when it was skipped or failed."""
+    passed (config_hash, device, data, time), None when it was skipped or failed."""
 
     ok: bool
     message: str
@@ -213,17 +215,34 @@ class SmokeTest:
         self.config_path = config_path
         self.always = always
 
+    def data_fingerprint(self) -> str | None:
+        """What the config's prepared splits hold (their manifests), so that data prepared
+        again under the same paths is checked again; None when the config cannot be read (the
+        smoke test itself then says why)."""
+        try:
+            cfg = load_config(self.config_path)
+        except (ConfigError, OSError):
+            return None
+        return fingerprint(cfg.data.split_paths())
+
     def reason_to_run(
-        self, passed: dict | None, config_hash: str | None, device: str | None
+        self,
+        passed: dict | None,
+        config_hash: str | None,
+        device: str | None,
+        data: str | None = None,
     ) -> str | None:
         """Why this launch runs it, or None to skip it. `passed`: what the last passing smoke
-        test of this run dir recorded (config_hash, device, time)."""
+        test of this run dir recorded (config_hash, device, data, time); `data`: the data's
+        fingerprint now."""
         if self.always:
             return "--smoke was given"
         if not passed:
             return "first launch of this run dir"
         if passed.get("config_hash") != config_hash:
             return "the config changed since the last smoke test"
+        if data is None or passed.get("data") != data:
+            return "the training or validation data changed since the last smoke test"
         if device is None or passed.get("device") != device:
             return (
                 f"another device ({device}; the last smoke test passed on {passed.get('device')})"
@@ -243,7 +262,8 @@ class SmokeTest:
     ) -> SmokeResult:
         """Run it (`run_args` as for `run`, `before_run` first) unless `reason_to_run` says it
         need not."""
-        why = self.reason_to_run(passed, config_hash, device)
+        data = self.data_fingerprint()
+        why = self.reason_to_run(passed, config_hash, device, data)
         if why is None:
             return SmokeResult(
                 True,
@@ -254,7 +274,7 @@ class SmokeTest:
         ok, message = self.run(run_dir, env, **run_args)
         if not ok:
             return SmokeResult(False, message)
-        record = {"config_hash": config_hash, "device": device, "time": time.time()}
+        record = {"config_hash": config_hash, "device": device, "data": data, "time": time.time()}
         return SmokeResult(True, f"{message} (ran: {why})", record)
 
     def run(

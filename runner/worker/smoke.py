@@ -42,7 +42,7 @@ from m3run.model import Mamba3LM
 from m3run.runner.checkpoint import io as ckpt_io
 from m3run.runner.checkpoint import layout as ckpt
 from m3run.runner.config import ConfigError, RunConfig, load_config
-from m3run.runner.data.loader import check_vocab
+from m3run.runner.data.loader import check_vocab, eval_batches
 from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.mixture import train_loader
 from m3run.runner.files import atomic_write_json
@@ -159,6 +159,15 @@ class _Smoke:
             prefetch=0,
         )
         try:
+            # Fewer windows than a batch would train on repeats of the same windows.
+            if loader.num_windows < c.train.micro_batch_size:
+                raise DataError(
+                    f"the training data ({', '.join(map(str, paths))}) has "
+                    f"{loader.num_windows} windows of {c.data.seq_len + 1} tokens; one batch "
+                    f"of train.micro_batch_size={c.train.micro_batch_size} needs "
+                    f"{c.train.micro_batch_size}: prepare more data, or lower "
+                    "train.micro_batch_size or data.seq_len"
+                )
             self.batch = loader.next_batch()
             self.eos_id = loader.eos_id if c.data.reset_at_eos else None
         finally:
@@ -168,6 +177,10 @@ class _Smoke:
         if c.data.val_path:
             v = load_manifest(c.data.val_path)
             msg += f"; val: {v['total_tokens']:,} tokens"
+            if c.eval.interval_steps:
+                # The trainer's own eval set, one batch of it: a split too small for one
+                # eval batch is found here, not at the run's first eval.
+                eval_batches(c.data.val_path, c.data.seq_len, c.train.micro_batch_size, 1)
         return msg
 
     # 3

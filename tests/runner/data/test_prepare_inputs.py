@@ -299,7 +299,7 @@ def test_prepare_cli_exits_78_naming_an_unrecognised_file(docs, tokenizer, tmp_p
     assert f"warning: skipping {blob} (is not recognised" in result.stderr
     assert "prepare-data: tokenising done:" in result.stderr  # progress lines off a terminal
     assert f"input {folder}: 315 documents" in result.stdout
-    assert "1 files skipped" in result.stdout
+    assert "1 file skipped" in result.stdout
     m = load_manifest(tmp_path / "o" / "train")
     (record,) = m["source"]["inputs"]
     assert record["skipped"] == [{"file": str(blob), "reason": record["skipped"][0]["reason"]}]
@@ -380,3 +380,47 @@ def test_a_reader_closed_early_needs_no_zstd_for_a_plain_file(tmp_path, monkeypa
         "first document",
         "second document",
     ]
+
+
+def test_prepare_cli_keeps_prepared_data_unless_forced_and_warns_of_a_small_val(
+    tokenizer, tmp_path
+):
+    """An --out holding prepared data is refused (78) and left as it was; --force replaces it.
+    A val split under a few eval batches is a warning that says which --val-fraction would do;
+    counts read as English."""
+    out = tmp_path / "o"
+    text = tmp_path / "one.txt"
+    text.write_text("def f(x):\n    return x\n", encoding="utf-8")
+    first = _cli(str(text), "--out", str(out), "--tokenizer", tokenizer)
+    assert first.returncode == 0, first.stderr
+    assert "1 document," in first.stdout and "in 1 document →" in first.stdout
+    assert "warning: the val split is small" in first.stderr
+    assert "too small for 2 eval batches at seq_len 2048" in first.stderr
+    manifests = {s: (out / s / "manifest.json").read_bytes() for s in ("train", "val")}
+
+    other = tmp_path / "other.txt"
+    other.write_text("class A:\n    pass\n\nclass B:\n    pass\n", encoding="utf-8")
+    again = _cli(str(other), "--out", str(out), "--tokenizer", tokenizer)
+    assert again.returncode == 78
+    assert f"--out {out} already holds prepared data (train: " in again.stderr
+    assert "--force" in again.stderr and "Traceback" not in again.stderr
+    assert {s: (out / s / "manifest.json").read_bytes() for s in manifests} == manifests
+
+    forced = _cli(str(other), "--out", str(out), "--tokenizer", tokenizer, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "train" / "manifest.json").read_bytes() != manifests["train"]
+
+
+def test_a_small_val_split_warning_names_a_val_fraction_that_would_do():
+    from m3run.runner.data.prepare import small_val_warning
+
+    warning = small_val_warning(2_499, 1_099_574, "hash")
+    assert "its 2,499 tokens make 1 / 0 / 0 eval batches" in warning
+    assert "prepare again with --val-fraction 0.037 or more" in warning
+    fraction = 0.037 / 1.25  # a tail split takes exactly its share of tokens
+    assert f"--val-fraction {float(f'{32_769 / 1_099_574:.2g}'):g}" in small_val_warning(
+        2_499, 1_099_574, "tail"
+    )
+    assert abs(32_769 / 1_099_574 - fraction) < 1e-3
+    assert small_val_warning(40_000, 2_000_000, "hash") is None  # two batches of 8 × 2048
+    assert small_val_warning(0, 2_000_000, "hash") is None  # no val split asked for

@@ -43,13 +43,53 @@ def test_smoke_runs_on_first_launch_and_is_skipped_on_an_unchanged_relaunch(corp
     assert _first_workers(run_dir) == [True, False]
 
 
-def test_smoke_runs_again_on_request_another_config_or_another_device():
+def test_smoke_runs_again_on_request_another_config_data_or_device():
     smoke, forced = SmokeTest(Path("config.yaml")), SmokeTest(Path("config.yaml"), always=True)
-    passed = {"config_hash": "h1", "device": "GPU-a", "time": 0.0}
-    assert smoke.reason_to_run(passed, "h1", "GPU-a") is None
-    assert forced.reason_to_run(passed, "h1", "GPU-a") == "--smoke was given"
-    assert smoke.reason_to_run(None, "h1", "GPU-a") == "first launch of this run dir"
-    assert "config changed" in smoke.reason_to_run(passed, "h2", "GPU-a")
+    passed = {"config_hash": "h1", "device": "GPU-a", "data": "d1", "time": 0.0}
+    assert smoke.reason_to_run(passed, "h1", "GPU-a", "d1") is None
+    assert forced.reason_to_run(passed, "h1", "GPU-a", "d1") == "--smoke was given"
+    assert smoke.reason_to_run(None, "h1", "GPU-a", "d1") == "first launch of this run dir"
+    assert "config changed" in smoke.reason_to_run(passed, "h2", "GPU-a", "d1")
+    assert "data changed" in smoke.reason_to_run(passed, "h1", "GPU-a", "d2")
+    # A record from before the data was fingerprinted: checked once more.
+    old = {"config_hash": "h1", "device": "GPU-a", "time": 0.0}
+    assert "data changed" in smoke.reason_to_run(old, "h1", "GPU-a", "d1")
     assert "another device (GPU-b; the last smoke test passed on GPU-a)" in smoke.reason_to_run(
-        passed, "h1", "GPU-b"
+        passed, "h1", "GPU-b", "d1"
     )
+
+
+def test_data_prepared_again_under_the_same_paths_is_smoke_tested_again(corpus, tmp_path):
+    """The observed trap: data re-prepared after a failed first eval, and the relaunch skipped
+    the smoke test because the config (its paths) had not changed."""
+    from helpers.runs import DEMO_CONFIG, tiny_run_overrides
+
+    from m3run.runner.config import load_config
+    from m3run.runner.data.prepare import prepare_data
+
+    data = tmp_path / "data"
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x\n\n" * 400, encoding="utf-8")
+
+    def prepare(fraction: float) -> None:
+        prepare_data(
+            [str(text)],
+            data,
+            tokenizer=str(corpus / "tokenizer.json"),
+            val_fraction=fraction,
+            val_split="tail",
+            progress=False,
+        )
+
+    prepare(0.01)
+    config = tmp_path / "config.yaml"
+    config.write_text(load_config(DEMO_CONFIG, tiny_run_overrides(data)).to_yaml())
+    smoke = SmokeTest(config)
+    before = smoke.data_fingerprint()
+    assert before is not None and before == smoke.data_fingerprint()
+    passed = {"config_hash": "h1", "device": "host:a", "data": before, "time": 0.0}
+    assert smoke.reason_to_run(passed, "h1", "host:a", smoke.data_fingerprint()) is None
+    prepare(0.2)  # a larger val split, same paths, same config
+    after = smoke.data_fingerprint()
+    assert after != before
+    assert "data changed" in smoke.reason_to_run(passed, "h1", "host:a", after)

@@ -307,3 +307,52 @@ def test_on_a_gpu_without_a_tuned_plan_the_smoke_test_tunes_one_once(corpus, tmp
     assert "tuned on this machine" in first.checks[3].message
     second = run_smoke(cfg, echo=None)
     assert second.ok and "tuned for this GPU" not in second.checks[2].message
+
+
+@pytest.fixture(scope="module")
+def small_splits(corpus, tmp_path_factory):
+    """Splits of a few hundred tokens with the corpus's tokenizer: too small for a batch of
+    4 windows of 65 tokens."""
+    from m3run.runner.data.prepare import prepare_data
+
+    text = tmp_path_factory.mktemp("small") / "small.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 12, encoding="utf-8")
+    out = text.parent / "data"
+    prepare_data(
+        [str(text)],
+        out,
+        tokenizer=str(corpus / "tokenizer.json"),
+        val_fraction=0.5,
+        val_split="tail",
+        progress=False,
+    )
+    return out
+
+
+def test_a_val_split_too_small_for_one_eval_batch_fails_the_data_check(corpus, small_splits):
+    """Found by the smoke test (exit 78 with the fix), not at the run's first eval."""
+    cfg = load_config(
+        DEMO_CONFIG,
+        tiny_run_overrides(
+            corpus, **{"data.val_path": str(small_splits / "val"), "eval.interval_steps": 10}
+        ),
+    )
+    result = run_smoke(cfg, echo=None)
+    msg = result.failed_check_message
+    assert msg.startswith("check 2 (data readable) failed"), msg
+    assert "one eval batch needs 4" in msg and "val_fraction" in msg, msg
+    # With evaluation off the same split is no obstacle.
+    cfg = load_config(
+        DEMO_CONFIG, tiny_run_overrides(corpus, **{"data.val_path": str(small_splits / "val")})
+    )
+    assert run_smoke(cfg, echo=None).checks[1].status == "ok"
+
+
+def test_training_data_too_small_for_one_batch_fails_the_data_check(corpus, small_splits):
+    cfg = load_config(
+        DEMO_CONFIG, tiny_run_overrides(corpus, **{"data.train_path": str(small_splits / "train")})
+    )
+    result = run_smoke(cfg, echo=None)
+    msg = result.failed_check_message
+    assert msg.startswith("check 2 (data readable) failed"), msg
+    assert "train.micro_batch_size=4 needs 4" in msg and "prepare more data" in msg, msg
