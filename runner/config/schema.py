@@ -322,7 +322,11 @@ class EvalConfig(_Section):
     """Periodic validation loss."""
 
     interval_steps: int = Field(
-        0, ge=0, description="Evaluate every this many steps; 0 turns evaluation off."
+        0,
+        ge=0,
+        description=(
+            "Evaluate every this many steps and at the last step; 0 turns evaluation off."
+        ),
     )
     steps: int = Field(20, ge=1, description="Validation batches per evaluation.")
 

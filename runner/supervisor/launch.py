@@ -148,6 +148,44 @@ def check_resume(value: str) -> str:
     )
 
 
+def _complete_steps(run_dir: Path) -> list[int]:
+    return [c.step for c in list_checkpoints(run_dir, verify=False) if c.complete]
+
+
+def check_resume_step(run_dir: Path, resume: str) -> None:
+    """--resume STEP names a complete checkpoint of this run dir: found before anything
+    starts, so a typo neither starts a worker nor marks the run failed."""
+    if not resume.isdigit():
+        return
+    steps = _complete_steps(run_dir)
+    if int(resume) in steps:
+        return
+    have = ", ".join(map(str, steps[-8:])) if steps else "none"
+    raise LaunchError(
+        f"--resume {resume}: {run_dir} has no complete checkpoint at step {int(resume)} "
+        f"(complete: {have}); fix: --resume latest, or one of those steps",
+        EXIT_CONFIG,
+    )
+
+
+def finished_message(cfg: Any, opts: LaunchOptions, resume: str) -> str | None:
+    """What to say instead of starting a worker when the run to resume is already trained to
+    train.total_steps: how to train it longer. None when there is something to train."""
+    if resume != "latest":
+        return None
+    steps = _complete_steps(opts.run_dir)
+    total = cfg.train.total_steps
+    if not steps or steps[-1] < total:
+        return None
+    return (
+        f"{opts.run_dir} is finished: its checkpoint at step {steps[-1]} is the last of "
+        f"train.total_steps={total}, so there is nothing to train. To train it longer: "
+        f"`m3run launch {opts.config} --run-dir {opts.run_dir} --set "
+        f"train.total_steps={max(2 * total, steps[-1] + 1)} --force`; to use it: "
+        f"`m3run export {opts.run_dir} OUT` or `m3run generate {opts.run_dir} --prompt TEXT`"
+    )
+
+
 def _schedule_jump(run_dir: Path, old: Any, new: Any) -> str | None:
     """What a replaced config does to the learning rate where the run resumes (extending a
     finished run with a larger train.total_steps restarts the decay from a higher LR)."""
@@ -292,7 +330,12 @@ def launch(opts: LaunchOptions) -> int:
         return _refused(e)
     sup = None
     try:
+        check_resume_step(opts.run_dir, resume)
         cfg, chash = freeze_config(opts)
+        done = finished_message(cfg, opts, resume)
+        if done is not None:
+            print(f"m3run launch: {done}")
+            return EXIT_OK
         for warning in cfg.warnings():
             print(f"m3run launch: warning: {warning}", file=sys.stderr)
         _check_tracker(cfg, opts.run_dir)
@@ -375,7 +418,8 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
                 or f"m3run launch: the supervisor exited {code} before starting; see {log_path}",
                 file=sys.stderr,
             )
-            return code if code != EXIT_OK else EXIT_REFUSED
+            # 0 before any state: the run was finished, which the tail says.
+            return code
         if time.monotonic() > deadline:
             print(
                 f"m3run launch: supervisor pid {proc.pid} did not write {STATE_FILE} within "

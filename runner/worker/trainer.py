@@ -306,8 +306,7 @@ class Trainer:
         (module docstring): not after the last step, before an eval (whose forwards would run
         beside the activations kept), once a stop is asked, or under DDP (a forward readies a
         gradient reduction that a dropped one would leave pending)."""
-        every = self.cfg.eval.interval_steps
-        eval_next = every and self.val_batches is not None and step % every == 0
+        eval_next = self.val_batches is not None and self._eval_due(step)
         return (
             self.overlap
             and not self.dist.enabled
@@ -315,6 +314,12 @@ class Trainer:
             and not eval_next
             and self.stop_signal is None
         )
+
+    def _eval_due(self, step: int) -> bool:
+        """Every eval.interval_steps, and at the last step whatever its number, so a run
+        always ends with its validation loss."""
+        every = self.cfg.eval.interval_steps
+        return bool(every) and (step % every == 0 or step == self.cfg.train.total_steps)
 
     def eval(self) -> float | None:
         if self.val_batches is None or not self.dist.writer:
@@ -375,7 +380,7 @@ class Trainer:
                 )
                 window_t0, window_steps, paused = time.perf_counter(), 0, 0.0
             t_aside = time.perf_counter()
-            if cfg.eval.interval_steps and self.step % cfg.eval.interval_steps == 0:
+            if self._eval_due(self.step):
                 self.eval()
             if self.step % cfg.checkpoint.interval_steps == 0 or self.step == t.total_steps:
                 saves.save()

@@ -31,10 +31,16 @@ def test_smoke_runs_on_first_launch_and_is_skipped_on_an_unchanged_relaunch(corp
     run_dir = tmp_path / "run"
     sets = overrides(
         corpus,
-        **{"train.total_steps": 4, "supervisor.smoke": "true", "supervisor.warm_spare": "true"},
+        **{
+            "train.total_steps": 4,
+            "checkpoint.interval_steps": 2,
+            "supervisor.smoke": "true",
+            "supervisor.warm_spare": "true",
+        },
     )
-    for _ in range(2):
-        run = Run(run_dir, sets)
+    # The relaunch replays from step 2: a finished run's relaunch starts nothing.
+    for extra in ((), ("--resume", "2")):
+        run = Run(run_dir, sets, *extra)
         assert run.wait() == EXIT_OK, run.output()
     first, second = _smoke_events(run_dir)
     assert "ran: first launch" in first

@@ -313,3 +313,43 @@ def torch_zeros():
     import torch
 
     return torch.zeros(2)
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "says"),
+    [
+        ((), EXIT_OK, "is finished: its checkpoint at step 300 is the last of"),
+        (("--resume", "77"), EXIT_CONFIG, "--resume 77: "),
+    ],
+    ids=["finished", "resume-missing-step"],
+)
+def test_a_relaunch_with_nothing_to_do_says_so_at_once_and_leaves_the_run_as_it_was(
+    tmp_path, extra, code, says
+):
+    """A relaunch of a finished run says how to train it longer, and `--resume` of a step that
+    has no checkpoint is refused, both before a worker or a smoke test starts: the run's
+    recorded phase, state and events are untouched."""
+    import subprocess
+
+    from helpers.run_dirs import write_run
+
+    from m3run.runner.checkpoint.io import save_checkpoint
+
+    run_dir = tmp_path / "run"
+    write_run(run_dir, "finished", alive=False, last_checkpoint_step=300)
+    freeze_config(_demo_opts(run_dir, "train.total_steps=300"))
+    save_checkpoint(run_dir, 300, {"w": torch_zeros()}, {"state": {}, "param_groups": []}, {})
+    (run_dir / EVENTS_FILE).write_text('{"event": "finished", "time": 1.0}\n')
+    before = {f: (run_dir / f).read_bytes() for f in (STATE_FILE, EVENTS_FILE)}
+    argv = [sys.executable, "-m", "m3run.runner.cli", "launch", str(REPO / "configs/demo_cpu.yaml")]
+    argv += ["--run-dir", str(run_dir), "--set", "train.total_steps=300", *extra]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == code, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert says in out and "Traceback" not in out, out
+    if code == EXIT_OK:
+        assert "--set train.total_steps=600 --force" in out
+    else:
+        assert "(complete: 300); fix: --resume latest, or one of those steps" in out
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
+    assert not (run_dir / "worker.log").exists()

@@ -297,3 +297,16 @@ def test_each_worker_process_records_its_way_to_the_first_step(finished, tmp_pat
         assert marks == sorted(marks), r
         assert r["setup_start"] - r["process_start"] < 120  # a start time, not a stale one
     assert records[0]["pid"] != records[1]["pid"]
+
+
+def test_a_run_ends_with_an_eval_when_its_last_step_is_off_the_eval_interval(corpus, tmp_path):
+    """Evals every 5 steps of a 7-step run: at step 5 and at the last step, as a trainer
+    user expects of the final model."""
+    run_dir = tmp_path / "run"
+    ov = tiny_run_overrides(
+        corpus, **{"train.total_steps": 7, "eval.interval_steps": 5, "eval.steps": 2}
+    )
+    done = run_worker(run_dir, ov)
+    assert done.returncode == 0, done.stderr
+    evals = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals == [5, 7]
