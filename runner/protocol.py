@@ -103,6 +103,20 @@ def worker_exit_file(local_rank: int = 0) -> str:
 #                                   fails mid-write with an injected OSError (EIO)
 # Several faults are separated by commas. Each fires once per process unless named *_from_*.
 FAULT_ENV = "M3RUN_FAULT"
+# Each fault's value: "step" a step number (nan_at_step also "7x3"), "seconds" a number, "path"
+# a file path, "" none.
+FAULTS = {
+    "nan_at_step": "step",
+    "nan_from_step": "step",
+    "hang_at_step": "step",
+    "hold_at_step": "step",
+    "crash_at_step": "step",
+    "crash_at_startup": "",
+    "slow_save": "seconds",
+    "hold_save": "path",
+    "stall_save_at_step": "step",
+    "save_error_at_step": "step",
+}
 # Test-only companion of FAULT_ENV, read by the supervisor: "first" passes M3RUN_FAULT to the
 # first worker it starts only, so a chaos test can make one worker misbehave and check that the
 # restarted one heals the run; "all" (the default) passes it to every worker.

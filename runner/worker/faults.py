@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m3run.runner.protocol import FAULT_ENV, SPARE_FAULT_ENV
+from m3run.runner.config import ConfigError
+from m3run.runner.protocol import FAULT_ENV, FAULTS, SPARE_FAULT_ENV
 
 HOLD_SAVE_MAX_S = 300.0  # hold_save's bound: a test that never releases fails, it does not hang
 
@@ -33,10 +34,24 @@ class Faults:
 
     @classmethod
     def from_env(cls) -> Faults:
+        """ConfigError for a fault this hook does not know or a value it cannot use: a
+        misspelt fault would otherwise leave a chaos test passing with nothing injected."""
+        raw = os.environ.get(FAULT_ENV, "")
         spec = {}
-        for part in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        for part in filter(None, raw.split(",")):
             key, _, value = part.partition("=")
-            spec[key.strip()] = value.strip()
+            key, value = key.strip(), value.strip()
+            if key not in FAULTS:
+                raise ConfigError(
+                    f"{FAULT_ENV}={raw!r} names the unknown fault {key!r} (known: "
+                    f"{', '.join(FAULTS)}): it is a test-only hook; fix the name or unset "
+                    f"{FAULT_ENV}"
+                )
+            if not _usable(FAULTS[key], value):
+                raise ConfigError(
+                    f"{FAULT_ENV}={raw!r}: {key} needs {_WANTS[FAULTS[key]]}, got {value!r}"
+                )
+            spec[key] = value
         return cls(spec, [])
 
     @property
@@ -127,6 +142,26 @@ class Faults:
         if self._once("save_error_at_step", step):
             print(f"[fault] checkpoint write error at step {step}", flush=True)
             raise OSError(errno.EIO, f"injected write error (M3RUN_FAULT) for step {step}")
+
+
+_WANTS = {
+    "step": "a step number, e.g. =7 (nan_at_step also =7x3)",
+    "seconds": "a number of seconds, e.g. =2.0",
+    "path": "a file path, e.g. =/tmp/release",
+    "": "no value",
+}
+
+
+def _usable(kind: str, value: str) -> bool:
+    if kind == "step":
+        at, x, count = value.partition("x")
+        return at.isdigit() and (not x or count.isdigit())
+    if kind == "seconds":
+        try:
+            return float(value) >= 0
+        except ValueError:
+            return False
+    return bool(value) if kind == "path" else not value
 
 
 def standby_fault() -> None:
