@@ -31,3 +31,23 @@ def claim_run_dir(run_dir: Path) -> PidLock:
             "it), or train into another --run-dir"
         )
     return lock
+
+
+def keep_run_dir(lock: PidLock) -> str | None:
+    """worker.lock deleted or replaced under a running worker (a "stale lock" cleanup) leaves
+    the path free and hides the worker from `m3run stop --force`: take it again. Returns a
+    line for the log when it was taken again; ConfigError when another process holds the new
+    file (a second writer got in: this worker must stop, saving)."""
+    if lock.held_at_path():
+        return None
+    holder = lock.retake()
+    if holder is None:
+        return (
+            f"warning: {lock.path} was deleted or replaced while this worker held it; worker "
+            f"pid {os.getpid()} holds it again. Never delete the lock files of a live run"
+        )
+    raise ConfigError(
+        f"{lock.path} was deleted or replaced while this worker held it, and pid {holder} now "
+        "holds it: a second writer is in the run dir. This worker stops (saving a checkpoint); "
+        "stop the other process, then relaunch once"
+    )

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from m3run.runner.config import RunConfig
+from m3run.runner.config import ConfigError, RunConfig
 from m3run.runner.data.loader import WindowStream, check_vocab, eval_batches
 from m3run.runner.data.mixture import train_loader
 from m3run.runner.files import PidLock
@@ -49,7 +49,7 @@ from .checkpointing import Checkpointer
 from .dist import Dist
 from .excursions import Excursions
 from .faults import Faults
-from .ownership import claim_run_dir
+from .ownership import claim_run_dir, keep_run_dir
 from .preimport import DYNAMO, CompileStack, wait_imported
 from .resume import Resume
 from .telemetry import Pace, Telemetry
@@ -245,6 +245,21 @@ class Trainer:
 
     # ---- the loop ----
 
+    def _keep_ownership(self) -> None:
+        """worker.lock deleted or replaced: take it again (ownership.keep_run_dir), or, with a
+        second writer holding it, stop as on SIGTERM (a checkpoint, then exit 75)."""
+        if self._ownership is None:
+            return
+        try:
+            note = keep_run_dir(self._ownership)
+        except ConfigError as e:
+            print(f"error: {e}", flush=True)
+            self.stop_signal = signal.SIGTERM
+            self._ownership = None  # the lock at the path is the other writer's
+            return
+        if note is not None:
+            print(note, flush=True)
+
     def _on_signal(self, signum, frame) -> None:
         # Only set the flag: a print here could re-enter a stdout write the signal interrupted
         # and lose the stop. The training loop reports it at the next step boundary.
@@ -348,6 +363,7 @@ class Trainer:
         pace = Pace()
         while self.step < t.total_steps:
             saves.poll_save()  # a finished background save is reported, a failed one raised
+            self._keep_ownership()
             if self._stop_agreed():
                 raise StopRequested
             out = self.train_step()

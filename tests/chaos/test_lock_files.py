@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -106,3 +107,27 @@ def test_a_supervisor_whose_lock_another_process_took_stops_its_run(corpus, tmp_
     assert state["phase"] == "stopped" and state["reason"].startswith("lost ")
     _assert_one_writer(run.run_dir, 2)
     assert state["last_checkpoint_step"] == list_checkpoints(run.run_dir)[-1].step
+
+
+def test_a_worker_takes_its_deleted_lock_again_so_stop_force_finds_it_orphaned(corpus, tmp_path):
+    """worker.lock deleted under an orphaned worker: the worker takes it again (at its next
+    step), so `m3run stop --force` still finds it by its lock and kills it."""
+    run = Run(tmp_path / "run", overrides(corpus, **LONG))
+    worker = run.worker_at(2)
+    run.proc.kill()  # the supervisor dies; its worker trains on, orphaned
+    run.proc.wait(timeout=30)
+    lock = run.run_dir / WORKER_LOCK_FILE
+    lock.unlink()
+    try:
+        deadline = time.monotonic() + 60
+        while lock_holder(lock) != worker and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lock_holder(lock) == worker
+        said: list[str] = []
+        assert stop_run(run.run_dir, force=True, say=said.append) == 0, said
+        assert f"killed its orphaned worker pid {worker}" in said[-1]
+    finally:
+        if psutil.pid_exists(worker):
+            os.kill(worker, signal.SIGKILL)
+    log = (run.run_dir / "worker.log").read_text()
+    assert f"{lock} was deleted or replaced while this worker held it" in log
