@@ -11,6 +11,8 @@ still reading them.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -20,12 +22,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from m3run.runner.checkpoint.layout import (
-    DATA_FILES,
     DEL_PREFIX,
     FORMAT_VERSION,
     META_FILE,
@@ -249,6 +251,70 @@ def _write_fsynced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+class _HashingFile(io.RawIOBase):
+    """An unbuffered file that hashes the bytes as it writes them, so a large file is not
+    read back for its digest. Each block is hashed on `hasher` while this thread writes it
+    (both release the GIL), so the hash costs the write no time on a disk slower than it."""
+
+    def __init__(self, f: IO[bytes], hasher: ThreadPoolExecutor):
+        self._f = f
+        self._hasher = hasher
+        self._hash = hashlib.sha256()
+        self.nbytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        hashed = self._hasher.submit(self._hash.update, view)
+        try:
+            done = 0
+            while done < len(view):  # an unbuffered write may write less than asked
+                done += self._f.write(view[done:])
+        finally:
+            hashed.result()  # the caller may reuse `b` once this returns
+        self.nbytes += done
+        return done
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _digest(path: Path, written: _HashingFile | None = None) -> dict:
+    """A data file's sha256 and size for meta.json: hashed on the way out when `written` wrote
+    exactly the file's bytes (a writer that seeks back to patch a header would not), else read
+    back."""
+    size = path.stat().st_size
+    if written is not None and written.nbytes == size:
+        return {"sha256": written.hexdigest(), "bytes": size}
+    return {"sha256": sha256_file(path), "bytes": size}
+
+
+def _write_model_file(path: Path, cpu_model_state: Mapping[str, torch.Tensor]) -> dict:
+    from safetensors.torch import save_file
+
+    # One metadata key only: safetensors writes its metadata map in no fixed order, and the
+    # same state must always give the same bytes (and sha256).
+    save_file(dict(cpu_model_state), path, metadata={"format": "pt"})
+    apply_umask(path)  # safetensors creates it 0600
+    fsync_path(path)
+    return _digest(path)  # safetensors writes the file itself: read back, beside optim.pt
+
+
+def _write_optim_file(path: Path, cpu_optim_state: Mapping) -> dict:
+    import torch
+
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="m3run-checkpoint-hash") as hasher,
+        open(path, "wb", buffering=0) as f,
+    ):
+        out = _HashingFile(f, hasher)
+        torch.save(dict(cpu_optim_state), out)
+        os.fsync(f.fileno())
+    return _digest(path, out)
+
+
 def write_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
@@ -265,7 +331,6 @@ def write_checkpoint(
     like a real one."""
     import torch
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     step = check_step(step)
     _check_model_state(cpu_model_state)
@@ -295,22 +360,19 @@ def write_checkpoint(
         tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
         tmp.mkdir()
 
-        # One metadata key only: safetensors writes its metadata map in no fixed order, and the
-        # same state must always give the same bytes (and sha256).
-        save_file(dict(cpu_model_state), tmp / MODEL_FILE, metadata={"format": "pt"})
-        apply_umask(tmp / MODEL_FILE)  # safetensors creates it 0600
-        fsync_path(tmp / MODEL_FILE)
-        with open(tmp / OPTIM_FILE, "wb") as f:
-            torch.save(dict(cpu_optim_state), f)
-            f.flush()
-            os.fsync(f.fileno())
+        # The two data files are written side by side, each fsync'd once: the model file and
+        # its read-back digest on a thread of their own while optim.pt (twice its size with
+        # AdamW) is written and hashed on the way out here, so a fast disk waits on neither
+        # the serialisation nor the hashing of the other file.
+        with ThreadPoolExecutor(1, thread_name_prefix="m3run-checkpoint-model") as pool:
+            model_job = pool.submit(_write_model_file, tmp / MODEL_FILE, cpu_model_state)
+            try:
+                optim_digest = _write_optim_file(tmp / OPTIM_FILE, cpu_optim_state)
+            finally:
+                model_digest = model_job.result()  # its error first: it started first
         if before_meta is not None:
             before_meta()
-        # Hash what was written (read back from the page cache), not what we meant to write.
-        files = {
-            name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-            for name in DATA_FILES
-        }
+        files = {MODEL_FILE: model_digest, OPTIM_FILE: optim_digest}
         # meta.json last: its presence with matching hashes is what makes the checkpoint complete.
         _write_fsynced(tmp / META_FILE, _build_meta(step, meta, files).encode("utf-8"))
         fsync_path(tmp, directory=True)
