@@ -22,6 +22,7 @@ from m3run.runner.config import (
     keep_legacy_values,
     load_config,
     load_frozen_config,
+    resolve_data_paths,
 )
 from m3run.runner.files import (
     PidLock,
@@ -180,14 +181,13 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
         cfg = load_config(opts.config, opts.overrides)
     except ConfigError as e:
         raise LaunchError(str(e), EXIT_CONFIG) from None
-    new_hash = config_hash(cfg)
     frozen = opts.run_dir / CONFIG_FILE
+    old = None
     if frozen.exists():
         try:
             old = load_frozen_config(frozen)
             # A key the run was frozen without keeps the run's behaviour (config.LEGACY_VALUES).
             cfg = keep_legacy_values(cfg, old)
-            new_hash = config_hash(cfg)
         except ConfigError as e:
             if not opts.force:
                 raise LaunchError(
@@ -196,6 +196,13 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
                     EXIT_CONFIG,
                 ) from None
             old = None
+    try:
+        # Absolute data paths: the run dir names its data wherever it is used from later.
+        cfg = resolve_data_paths(cfg, old)
+    except ConfigError as e:
+        raise LaunchError(str(e), EXIT_CONFIG) from None
+    new_hash = config_hash(cfg)
+    if frozen.exists():
         old_hash = config_hash(old) if old is not None else None
         if old is not None and old_hash != new_hash:
             a, b = _flatten(yaml.safe_load(old.to_yaml())), _flatten(yaml.safe_load(cfg.to_yaml()))
