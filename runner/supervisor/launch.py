@@ -45,6 +45,7 @@ from m3run.runner.protocol import (
     RUN_DIR_FILES,
     STATE_FILE,
     SUPERVISOR_LOG,
+    TOKENIZER_FILE,
     WORKER_EXIT_GLOB,
     WORKER_LOCK_FILE,
 )
@@ -238,6 +239,30 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     return cfg, new_hash
 
 
+def _keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+    """Copy the data's tokenizer into the run dir (TOKENIZER_FILE) at the first launch, or at
+    the relaunch of a run dir that lacks one: generate and export then need nothing outside
+    the run dir. Data that cannot be read is left to the worker, whose error names it; a
+    tokenizer that cannot be kept is a warning, never a refused launch."""
+    dest = run_dir / TOKENIZER_FILE
+    if dest.exists():
+        return
+    from m3run.runner.data.manifest import MANIFEST_NAME, DataError
+    from m3run.runner.data.tokenizer_file import write_tokenizer_file
+
+    split = Path(cfg.data.train_path or cfg.data.sources[0].path)
+    if not (split / MANIFEST_NAME).is_file():
+        return
+    try:
+        write_tokenizer_file(split, dest)
+    except DataError as e:
+        print(
+            f"m3run launch: warning: no {TOKENIZER_FILE} kept in {run_dir}: {e}. Training goes "
+            "on; generate and export will look for the tokenizer in the data folder",
+            file=sys.stderr,
+        )
+
+
 def _check_tracker(cfg: Any, run_dir: Path) -> None:
     """A tracker that cannot start is an error at a run's first launch (the user asked for
     tracking) and a warning once it has checkpoints (a tracker must never stop a run)."""
@@ -303,6 +328,7 @@ def launch(opts: LaunchOptions) -> int:
         for warning in cfg.warnings():
             print(f"m3run launch: warning: {warning}", file=sys.stderr)
         _check_tracker(cfg, opts.run_dir)
+        _keep_tokenizer(cfg, opts.run_dir)
         settings = SupervisorSettings.from_config(cfg)
         # No --lr-scale on a relaunch: a NaN rollback's LR cut lives in the checkpoints the
         # worker wrote after it.
