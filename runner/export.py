@@ -20,7 +20,6 @@ Torch is imported here; the CLI imports this module only after the arguments are
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,13 +33,12 @@ from m3run.runner.checkpoint.io import load_checkpoint
 from m3run.runner.data.tokenizer import Tokenizer
 from m3run.runner.data.tokenizer_file import tiktoken_to_hf_json
 from m3run.runner.files import apply_umask, atomic_write_text
-from m3run.runner.trained import ExportError, TrainedRun
+from m3run.runner.trained import EXPORT_MARKER, ExportError, TrainedRun, check_export_dir
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_TOKENIZER = "tokenizer.json"
 EXPORT_TOKENIZER_CONFIG = "tokenizer_config.json"
-EXPORT_MARKER = "m3run-export.json"
 # The Hugging Face classes an export ships, as runner/hf holds them.
 HF_CODE_DIR = Path(__file__).resolve().parent / "hf"
 HF_CONFIG_FILE, HF_MODELING_FILE = "configuration_m3run.py", "modeling_m3run.py"
@@ -122,33 +120,11 @@ def stream_text(
 # ------------------------------------------------------------------------------- export
 
 
-def _listing(out: Path, shown: int = 5) -> str:
-    names = sorted(p.name for p in out.iterdir())
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
-def check_out(out: Path) -> None:
-    """Refuse an OUT that an export would overwrite someone else's files in."""
-    if out.is_symlink():
-        raise ExportError(
-            f"{out} is a symlink (to {os.readlink(out)}), not a directory; "
-            "pass a new or empty directory"
-        )
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} is a file, not a directory; pass a new or empty directory")
-    if out.is_dir() and not (out / EXPORT_MARKER).is_file() and any(out.iterdir()):
-        raise ExportError(
-            f"{out} is not an m3run export (no {EXPORT_MARKER}) and holds {_listing(out)}; "
-            "pass a new or empty directory, or remove it"
-        )
-
-
 def export(trained: TrainedRun, out: Path) -> Path:
     """Write the export directory `out`: created when missing, refused when it holds anything
     but an earlier export (which is replaced)."""
     out = Path(out)
-    check_out(out)
+    check_export_dir(out)
     model = load_model(trained)
     try:
         _write(trained, model, out)

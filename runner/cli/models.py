@@ -4,6 +4,7 @@ run, its checkpoint and its tokenizer before they import torch."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -60,35 +61,46 @@ def generate(
         raise fail("m3run generate: --prompt is empty; give the text to continue", 2)
     if top_p == 0:
         raise fail("m3run generate: --top-p must be > 0 (1 keeps every token)", 2)
+    prompt_ids: list[int] = []
+
+    def check(cfg, tokenizer) -> None:
+        context = cfg.data.seq_len
+        if max_new_tokens > context and not beyond_context:
+            raise fail(
+                f"m3run generate: --max-new-tokens {max_new_tokens} is past the {context} "
+                "tokens the model was trained to read (the run's data.seq_len); pass "
+                f"--max-new-tokens {context} or less, or add --beyond-context to sample "
+                "further anyway",
+                2,
+            )
+        prompt_ids.extend(tokenizer.encode(prompt))
+        if not prompt_ids:
+            raise fail("m3run generate: --prompt is empty after tokenisation; give some text", 2)
+
     try:
-        trained = find_trained(run_dir_of(run), step)
+        trained = find_trained(run_dir_of(run), step, check)
     except ExportError as e:
         raise fail(f"m3run generate: {e}") from None
-    if max_new_tokens > trained.context and not beyond_context:
-        raise fail(
-            f"m3run generate: --max-new-tokens {max_new_tokens} is past the {trained.context} "
-            f"tokens the model was trained to read (data.seq_len of {trained.run_dir}); pass "
-            f"--max-new-tokens {trained.context} or less, or add --beyond-context to sample "
-            "further anyway",
-            2,
-        )
-    ids = trained.tokenizer.encode(prompt)
-    if not ids:
-        raise fail("m3run generate: --prompt is empty after tokenisation; give some text", 2)
 
-    from m3run.runner.export import load_model, stream_text
-
-    model = load_model(trained)
-    typer.echo(prompt, nl=False)
     try:
-        for piece in stream_text(
-            trained, model, ids, max_new_tokens, temperature, top_k, top_p, seed
-        ):
+        from m3run.runner.export import load_model, stream_text
+
+        model = load_model(trained)
+        pieces = stream_text(
+            trained, model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed
+        )
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        for piece in pieces:
             sys.stdout.write(piece)
             sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     except KeyboardInterrupt:
-        pass  # stopped by the user: what was sampled stays printed
-    typer.echo("")
+        typer.echo("")  # stopped by the user: what was sampled stays printed
+    except BrokenPipeError:
+        # The reader is gone (`| head`): nothing more to print, and nothing to flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @app.command(epilog="Exit codes: 0 exported, 1 no such run or checkpoint, or OUT refused.")
@@ -104,15 +116,18 @@ def export(
     `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` (needs m3run
     installed) or `Mamba3LM.from_export(OUT)`. OUT must be new, empty or an earlier m3run
     export, which is replaced."""
-    from m3run.runner.trained import ExportError, find_trained
+    from m3run.runner.trained import (
+        EXPORT_MARKER,
+        ExportError,
+        check_export_dir,
+        find_trained,
+    )
 
     try:
-        trained = find_trained(run_dir_of(run), step)
-        from m3run.runner.export import EXPORT_MARKER, check_out
+        trained = find_trained(run_dir_of(run), step, lambda *_: check_export_dir(out))
+        replacing = (out / EXPORT_MARKER).is_file()
         from m3run.runner.export import export as write_export
 
-        check_out(out)
-        replacing = (out / EXPORT_MARKER).is_file()
         path = write_export(trained, out)
     except ExportError as e:
         raise fail(f"m3run export: {e}") from None
