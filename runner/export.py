@@ -9,8 +9,8 @@ An export is a directory of
 - `configuration_m3run.py` and `modeling_m3run.py` (copied from runner/hf): with them,
   `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads the model (they
   import m3run, which holds the model);
-- `tokenizer.json` and `tokenizer_config.json` (`AutoTokenizer.from_pretrained(dir)`, the
-  end-of-text token as its eos token);
+- `tokenizer.json` and `tokenizer_config.json` (`AutoTokenizer.from_pretrained(dir,
+  trust_remote_code=True)`: it reads config.json too; the end-of-text token is its eos token);
 - the marker file `EXPORT_MARKER` (the run and step exported). Only the marker makes a
   directory an export that a later export may replace: a `config.json` alone does not, since a
   Hugging Face model folder has one too.

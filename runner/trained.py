@@ -4,7 +4,8 @@ and `m3run export` check all of this (and their arguments) before they import to
 wrong argument fails at once.
 
 The tokenizer is the run dir's own tokenizer.json, kept there at the first launch; a run dir
-launched before m3run kept one falls back on the data folder its config names."""
+without one (trained by the worker alone, or launched before m3run kept it) falls back on the
+data folder its config names."""
 
 from __future__ import annotations
 
@@ -109,8 +110,9 @@ def run_tokenizer(run_dir: Path, cfg: RunConfig) -> Tokenizer:
         if not split.is_dir():
             where = "" if split.is_absolute() else f" (from {Path.cwd()})"
             raise ExportError(
-                f"{run_dir} has no {TOKENIZER_FILE} (it was launched before m3run kept one) and "
-                f"the data folder its config names, {split}{where}, is not there to read the "
+                f"{run_dir} has no {TOKENIZER_FILE} (`m3run launch` keeps one; this run dir was "
+                f"made without it, or before it did) and the data folder its config names, "
+                f"{split}{where}, is not there to read the "
                 f"tokenizer from. Fix: run this from the directory the run was launched from, "
                 f"copy the data's tokenizer.json into {run_dir} (for bpe:N data it is beside "
                 f"train/), or relaunch the run once, which keeps it"
