@@ -60,7 +60,7 @@ def test_a_run_dir_frozen_with_relative_paths_keeps_them_and_its_hash(tmp_path, 
     ]
     # Pointing it at other data is still a change.
     moved = LaunchOptions(config=DEMO, run_dir=run_dir, overrides=["data.train_path=other/train"])
-    with pytest.raises(LaunchError, match="data.train_path: 'runs/demo-data/train' -> '/"):
+    with pytest.raises(LaunchError, match=r"data\.train_path: 'runs/demo-data/train' -> '/"):
         freeze_config(moved)
 
 

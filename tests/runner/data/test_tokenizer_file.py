@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import tiktoken
@@ -38,7 +39,7 @@ def _same_ids(hf_json: str, encode, texts=TEXTS) -> None:
 def test_a_tiktoken_bpe_converts_to_a_hf_tokenizer_with_the_same_ids():
     # A small byte-level BPE trained here with GPT-2's pattern: the real gpt2 files need a
     # download, and the conversion reads nothing but the Encoding's tokens.
-    training = "".join(TEXTS[:2]) * 3 + open(tiktoken.__file__).read()[:6000]
+    training = "".join(TEXTS[:2]) * 3 + Path(tiktoken.__file__).read_text()[:6000]
     ranks = bpe_train(training, 300, r50k_pat_str, visualise=None)
     enc = tiktoken.Encoding(
         "small-gpt2-like",
