@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -255,6 +255,21 @@ class Mamba3LM(nn.Module):
         temperature 0 is greedy; top_k keeps the k most likely tokens; top_p keeps the smallest
         set whose probability mass reaches p. Stops early when every row has emitted ``eos_id``.
         """
+        steps = self.stream(idx, max_new_tokens, temperature, top_k, top_p, generator, eos_id)
+        return torch.cat([idx, *(nxt[:, None] for nxt in steps)], dim=1)
+
+    def stream(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | None = None,
+    ) -> Iterator[Tensor]:
+        """`generate`, one sampled token per row (b,) at a time, as each is drawn. The arguments
+        are checked here, at the call, not at the first token."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
         if temperature < 0:
@@ -265,19 +280,20 @@ class Mamba3LM(nn.Module):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be (batch, t ≥ 1) token ids, got shape {tuple(idx.shape)}")
+        return self._stream(idx, max_new_tokens, temperature, top_k, top_p, generator, eos_id)
+
+    def _stream(self, idx, max_new_tokens, temperature, top_k, top_p, generator, eos_id):
         logits, states = self.prefill(idx)
-        out = [idx]
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for i in range(max_new_tokens):
             nxt = sample(logits, temperature, top_k, top_p, generator)
-            out.append(nxt[:, None])
+            yield nxt
             if eos_id is not None:
                 done |= nxt == eos_id
                 if bool(done.all()):
-                    break
+                    return
             if i + 1 < max_new_tokens:
                 logits, states = self.decode_step(nxt, states)
-        return torch.cat(out, dim=1)
 
 
 def compile_options(mode: str | None = None) -> dict:

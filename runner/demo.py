@@ -27,14 +27,20 @@ def m3run(*args: str) -> int:
 
 
 def sample() -> None:
-    from m3run.runner.export import ExportError, generate, load_trained
+    from m3run.runner.export import load_model, stream_text
+    from m3run.runner.trained import ExportError, find_trained
 
     try:
-        trained = load_trained(RUN)
+        trained = find_trained(RUN)
     except ExportError:
         return  # nothing trained yet
-    text = generate(trained, "def main(", 60, temperature=0.8, top_k=40, top_p=None, seed=0)
-    print(f"\nsample from step {trained.checkpoint.step} (prompt 'def main('):\ndef main({text}")
+    prompt = "def main("
+    model = load_model(trained)
+    print(f"\nsample from step {trained.checkpoint.step} (prompt {prompt!r}):\n{prompt}", end="")
+    ids = trained.tokenizer.encode(prompt)
+    for piece in stream_text(trained, model, ids, 60, 0.8, top_k=40, top_p=None, seed=0):
+        print(piece, end="", flush=True)
+    print()
 
 
 def main() -> int:

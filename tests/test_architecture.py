@@ -33,6 +33,9 @@ TORCH_FREE = (
     "m3run.runner.cli",
     "m3run.runner.plot",
     "m3run.runner.checkpoint.layout",
+    # generate and export check their arguments, the run and its tokenizer with these first
+    "m3run.runner.trained",
+    "m3run.runner.data.tokenizer_file",
 )
 MAX_FILE_LINES = 900
 MAX_CLASS_LINES = 500

@@ -15,6 +15,8 @@ Exit codes:
   logs     0 · 1 no such run or log
   health   0 healthy, warn or no GPU · 69 unhealthy; with --liveness RUN: 0 alive · 1 stale/dead
   plot     0 · 1 nothing to plot or no matplotlib
+  generate 0 (Ctrl-C too) · 1 no such run, checkpoint or tokenizer · 2 bad arguments
+  export   0 · 1 no such run, checkpoint or tokenizer, or an OUT it must not write into
   tune-scan  0 tuned and stored · 78 bad config or no GPU the Triton scan runs on · 1 the
              tune failed (nothing stored)
 """

@@ -22,6 +22,7 @@ from m3run.runner.config import (
     keep_legacy_values,
     load_config,
     load_frozen_config,
+    resolve_data_paths,
 )
 from m3run.runner.files import (
     PidLock,
@@ -44,6 +45,7 @@ from m3run.runner.protocol import (
     RUN_DIR_FILES,
     STATE_FILE,
     SUPERVISOR_LOG,
+    TOKENIZER_FILE,
     WORKER_EXIT_GLOB,
     WORKER_LOCK_FILE,
 )
@@ -218,14 +220,13 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
         cfg = load_config(opts.config, opts.overrides)
     except ConfigError as e:
         raise LaunchError(str(e), EXIT_CONFIG) from None
-    new_hash = config_hash(cfg)
     frozen = opts.run_dir / CONFIG_FILE
+    old = None
     if frozen.exists():
         try:
             old = load_frozen_config(frozen)
             # A key the run was frozen without keeps the run's behaviour (config.LEGACY_VALUES).
             cfg = keep_legacy_values(cfg, old)
-            new_hash = config_hash(cfg)
         except ConfigError as e:
             if not opts.force:
                 raise LaunchError(
@@ -234,6 +235,13 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
                     EXIT_CONFIG,
                 ) from None
             old = None
+    try:
+        # Absolute data paths: the run dir names its data wherever it is used from later.
+        cfg = resolve_data_paths(cfg, old)
+    except ConfigError as e:
+        raise LaunchError(str(e), EXIT_CONFIG) from None
+    new_hash = config_hash(cfg)
+    if frozen.exists():
         old_hash = config_hash(old) if old is not None else None
         if old is not None and old_hash != new_hash:
             a, b = _flatten(yaml.safe_load(old.to_yaml())), _flatten(yaml.safe_load(cfg.to_yaml()))
@@ -267,6 +275,30 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
             )
     atomic_write_text(frozen, cfg.to_yaml())
     return cfg, new_hash
+
+
+def _keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+    """Copy the data's tokenizer into the run dir (TOKENIZER_FILE) at the first launch, or at
+    the relaunch of a run dir that lacks one: generate and export then need nothing outside
+    the run dir. Data that cannot be read is left to the worker, whose error names it; a
+    tokenizer that cannot be kept is a warning, never a refused launch."""
+    dest = run_dir / TOKENIZER_FILE
+    if dest.exists():
+        return
+    from m3run.runner.data.manifest import MANIFEST_NAME, DataError
+    from m3run.runner.data.tokenizer_file import write_tokenizer_file
+
+    split = Path(cfg.data.train_path or cfg.data.sources[0].path)
+    if not (split / MANIFEST_NAME).is_file():
+        return
+    try:
+        write_tokenizer_file(split, dest)
+    except DataError as e:
+        print(
+            f"m3run launch: warning: no {TOKENIZER_FILE} kept in {run_dir}: {e}. Training goes "
+            "on; generate and export will look for the tokenizer in the data folder",
+            file=sys.stderr,
+        )
 
 
 def _check_tracker(cfg: Any, run_dir: Path) -> None:
@@ -339,6 +371,7 @@ def launch(opts: LaunchOptions) -> int:
         for warning in cfg.warnings():
             print(f"m3run launch: warning: {warning}", file=sys.stderr)
         _check_tracker(cfg, opts.run_dir)
+        _keep_tokenizer(cfg, opts.run_dir)
         settings = SupervisorSettings.from_config(cfg)
         # No --lr-scale on a relaunch: a NaN rollback's LR cut lives in the checkpoints the
         # worker wrote after it.
