@@ -343,7 +343,7 @@ def test_a_relaunch_with_nothing_to_do_says_so_at_once_and_leaves_the_run_as_it_
     before = {f: (run_dir / f).read_bytes() for f in (STATE_FILE, EVENTS_FILE)}
     argv = [sys.executable, "-m", "m3run.runner.cli", "launch", str(REPO / "configs/demo_cpu.yaml")]
     argv += ["--run-dir", str(run_dir), "--set", "train.total_steps=300", *extra]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == code, result.stdout + result.stderr
     out = result.stdout + result.stderr
     assert says in out and "Traceback" not in out, out
