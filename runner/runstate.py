@@ -310,6 +310,8 @@ def collect_status(run_dir: Path) -> dict:
         "phase": phase,
         "recorded_phase": state.phase,
         "reason": state.reason,
+        # While the preflight smoke test runs: the check under way (number, total, name, started).
+        "preflight_check": state.preflight_check if phase == SupervisorPhase.PREFLIGHT else None,
         "worker_phase": hb.phase if hb is not None else None,
         "step": step,
         "total_steps": total,

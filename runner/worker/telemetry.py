@@ -19,7 +19,17 @@ import torch
 from m3run.runner.config import ConfigError, RunConfig
 from m3run.runner.files import append_jsonl, atomic_write_json
 from m3run.runner.formatting import format_duration
-from m3run.runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
+from m3run.runner.protocol import (
+    LOG_FORMAT_ENV,
+    METRICS_FILE,
+    EvalRecord,
+    Heartbeat,
+    LogFormat,
+    StepRecord,
+    WorkerPhase,
+    heartbeat_file,
+    worker_record_line,
+)
 from m3run.runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
 
 from .dist import Dist
@@ -128,6 +138,8 @@ class Telemetry:
         self.peak_flops = peak_flops(device)
         self.tracker = None
         self._last_heartbeat = 0.0
+        # Under a supervisor whose console is json, steps and evals are printed as records.
+        self.json_lines = os.environ.get(LOG_FORMAT_ENV) == LogFormat.JSON
 
     # ---- heartbeat ----
 
@@ -212,9 +224,26 @@ class Telemetry:
             return
         self.record(record)
         self.track(record)
-        mem = ""
-        if self.device.type == "cuda":
-            mem = f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GB"
+        vram = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        if self.json_lines:
+            line = StepRecord(
+                time=record["time"],
+                step=step,
+                total_steps=self.cfg.train.total_steps,
+                loss=record["loss"],
+                ppl=record["ppl"],
+                lr=record["lr"],
+                grad_norm=record["grad_norm"],
+                tokens_per_s=tps,
+                tokens_seen=tokens_seen,
+                mfu=mfu,
+                vram_bytes=vram,
+                eta_s=eta_s,
+                tokens_by_source=tokens_by_source,
+            )
+            print(worker_record_line(line), flush=True)
+            return
+        mem = f" | mem {vram / 2**30:.1f}GB" if vram is not None else ""
         mfu_text = f" | mfu {record['mfu'] * 100:.1f}%" if record["mfu"] is not None else ""
         print(
             f"step {record['step']}/{self.cfg.train.total_steps} | loss {record['loss']:.4f} "
@@ -228,7 +257,12 @@ class Telemetry:
         record = {"kind": "eval", "step": step, "eval_loss": loss, "time": time.time()}
         self.record(record)
         self.track(record)
-        print(f"eval step {step} | val loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.1f}")
+        ppl = math.exp(min(loss, 50))
+        if self.json_lines:
+            line = EvalRecord(time=record["time"], step=step, eval_loss=loss, ppl=ppl)
+            print(worker_record_line(line), flush=True)
+            return
+        print(f"eval step {step} | val loss {loss:.4f} | ppl {ppl:.1f}")
 
     # ---- the experiment tracker ----
 
