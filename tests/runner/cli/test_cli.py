@@ -380,6 +380,34 @@ def test_an_empty_step_directory_does_not_fail_checkpoints_for_good(tmp_path):
     assert "99999999" in result.output and "torn" in result.output
 
 
+def test_checkpoints_verify_says_the_hashes_matched(tmp_path):
+    from m3run.runner.checkpoint.io import save_checkpoint
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    for step in (4, 8):
+        save_checkpoint(run_dir, step, {"w": torch_zeros()}, {"state": {}, "param_groups": []}, {})
+    weights = run_dir / "checkpoints" / "step_00000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    result = invoke("checkpoints", run_dir, "--verify")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.output.splitlines()[1:3]}
+    assert rows["4"].split()[1] == "verified"
+    assert "torn: sha256 mismatch in model.safetensors" in rows["8"]
+    assert "the sha256 of every file matched meta.json in 1 of 2 checkpoints" in result.output
+    listed = json.loads(invoke("checkpoints", run_dir, "--verify", "--json").output)
+    assert [(r["step"], r["verified"]) for r in listed] == [(4, True), (8, False)]
+    # Without --verify only the sizes were checked: nothing is called verified.
+    result = invoke("checkpoints", run_dir)
+    assert "verified" not in result.output.replace("--verify", "")
+    assert result.output.splitlines()[1].split()[1] == "complete"
+    listed = json.loads(invoke("checkpoints", run_dir, "--json").output)
+    assert not any(r["verified"] for r in listed)
+
+
 def torch_zeros():
     import torch
 
