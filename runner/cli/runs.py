@@ -222,7 +222,12 @@ def train(
         ),
     ] = "latest",
     force: Annotated[
-        bool, typer.Option("--force", help="Accept a changed config, or --resume none over old")
+        bool,
+        typer.Option(
+            "--force",
+            help="Accept a changed config; with --resume none, start over with the old "
+            "checkpoints moved aside.",
+        ),
     ] = False,
     lr_scale: Annotated[
         float,

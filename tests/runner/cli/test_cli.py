@@ -39,6 +39,24 @@ def test_every_command_has_help():
     assert invoke("--help").exit_code == 0
 
 
+def test_every_help_text_is_whole_sentences():
+    """Each command's description, epilog and option help ends its last sentence (a help
+    text cut short reads as a fact about something else), and every command's --help renders."""
+    import typer
+
+    from m3run.runner.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        texts = {"description": command.help, "epilog": command.epilog}
+        texts.update({f"--{p.name}": getattr(p, "help", None) for p in command.params})
+        for what, text in texts.items():
+            if text:
+                assert text.rstrip().endswith((".", "?", "!")), (name, what, text)
+        result = invoke(name, "--help")
+        assert result.exit_code == 0 and "Usage" in result.output, (name, result.output)
+
+
 # --------------------------------------------------------------------------- status
 
 
