@@ -129,9 +129,12 @@ def test_status_finds_runs_by_name_and_latest(tmp_path, monkeypatch):
     write_run(tmp_path / "runs" / "new", phase="stopped")
     assert json.loads(invoke("status", "old", "--json", "--no-gpu").output)["phase"] == "finished"
     assert json.loads(invoke("status", "--json", "--no-gpu").output)["phase"] == "stopped"
+    # A data folder beside the runs is not a run to suggest.
+    (tmp_path / "runs" / "demo-data" / "train").mkdir(parents=True)
+    (tmp_path / "runs" / "demo-data" / "tokenizer.json").write_text("{}")
     result = invoke("status", "nope")
     assert result.exit_code == 1 and "run 'nope' not found" in result.output
-    assert "new, old" in result.output
+    assert "one of the names under ./runs/ (new, old)" in result.output, result.output
     assert "neither nope nor runs/nope is a directory" in result.output
     gone = tmp_path / "gone"
     result = invoke("status", str(gone))
