@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.config import (
     ConfigError,
@@ -171,15 +169,6 @@ def _schedule_jump(run_dir: Path, old: Any, new: Any) -> str | None:
     )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     """Load CONFIG with --set overrides and freeze it as RUN_DIR/config.yaml. A relaunch with a
     different resolved config is refused unless --force. Returns (config, hash)."""
@@ -205,7 +194,7 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
             old = None
         old_hash = config_hash(old) if old is not None else None
         if old is not None and old_hash != new_hash:
-            a, b = _flatten(yaml.safe_load(old.to_yaml())), _flatten(yaml.safe_load(cfg.to_yaml()))
+            a, b = old.flat(), cfg.flat()
             diff = [
                 f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
                 for k in sorted(set(a) | set(b))
