@@ -1,6 +1,7 @@
 """`m3run launch --log-format json`: every line on stdout and stderr is one JSON object, from the
-supervisor, the worker (logged steps and evals as records with their numbers as fields) and the
-launch itself (refusals, usage errors), with the exit code the text console would give."""
+supervisor, the worker (logged steps, evals and smoke checks as records with their numbers as
+fields) and the launch itself (refusals, usage errors), with the exit code the text console
+would give."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _records(text: str) -> list[dict]:
 def test_a_json_launch_prints_only_records_with_steps_as_numbers(corpus, tmp_path):
     run_dir = tmp_path / "run"
     sets = tiny_run_overrides(
-        corpus, **{"train.total_steps": 4, "eval.interval_steps": 2, "supervisor.smoke": "false"}
+        corpus, **{"train.total_steps": 4, "eval.interval_steps": 2, "supervisor.smoke": "true"}
     )
     done = subprocess.run(
         launch_argv(run_dir, sets, "--log-format", "json"),
@@ -68,6 +69,10 @@ def test_a_json_launch_prints_only_records_with_steps_as_numbers(corpus, tmp_pat
         assert isinstance(rec["tokens_seen"], int)
     assert [r["step"] for r in evals] == [2, 4]
     assert all(isinstance(r["eval_loss"], float) for r in evals)
+    checks = [r for r in records if r["event"] == "smoke_check"]
+    assert [(r["number"], r["total"]) for r in checks] == [(n, 8) for n in range(1, 9)]
+    assert {r["status"] for r in checks} <= {"ok", "skipped"}
+    assert all(isinstance(r["seconds"], float) and r["name"] for r in checks)
     assert {"launch", "finished"} <= {r["event"] for r in records if r["source"] == "supervisor"}
 
 
