@@ -81,6 +81,8 @@ def test_status_during_the_smoke_test_shows_the_check_that_runs(corpus, tmp_path
     run.wait_for(progress_file.exists, "the smoke test's first check", poll_s=0.0005)
     child.send_signal(signal.SIGSTOP)
     try:
+        # A signal sent is not yet a process stopped: it may start one more check before.
+        run.wait_for(lambda: child.status() == psutil.STATUS_STOPPED, "the smoke test to stop")
         running = SmokeProgress.from_dict(read_json(progress_file))
         run.wait_for(
             lambda: run.state().get("preflight_check") == running.to_dict(),
