@@ -1,6 +1,7 @@
 """What the worker tells the outside while it trains: heartbeat.json (the supervisor's hang
-detection and `m3run status`), the metrics.jsonl records, the console step line, the optional
-experiment tracker (runner.tracking: wandb or TensorBoard) and the MFU estimate."""
+detection and `m3run status`), the metrics.jsonl records, the console step line (a StepRecord
+under a json console), the optional experiment tracker (runner.tracking: wandb or TensorBoard)
+and the MFU estimate."""
 
 from __future__ import annotations
 
