@@ -8,10 +8,13 @@ record shape once; both sides import it and nothing else of each other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import pydantic
 
 # ----------------------------------------------------------------------------- exit codes
 
@@ -44,6 +47,8 @@ WORKER_LOG = "worker.log"
 SUPERVISOR_LOG = "supervisor.log"
 # The preflight smoke test's result, written by the supervisor's smoke subprocess.
 SMOKE_FILE = "smoke.json"
+# The check that subprocess is running (SmokeProgress), rewritten as each check starts.
+SMOKE_PROGRESS_FILE = "smoke_progress.json"
 # `m3run stop --grace S` writes a StopRequest here before signalling the supervisor; the
 # supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
 STOP_REQUEST_FILE = "stop_request.json"
@@ -67,6 +72,7 @@ RUN_DIR_FILES = (
     WORKER_LOG,
     SUPERVISOR_LOG,
     SMOKE_FILE,
+    SMOKE_PROGRESS_FILE,
     STOP_REQUEST_FILE,
     TOKENIZER_FILE,
 )
@@ -135,6 +141,11 @@ SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"
 # The worker's one argument as a warm spare (`python -m m3run.runner.train --standby`): import, then
 # read the worker's arguments as a JSON list from one line of stdin (runner/supervisor/spare.py).
 STANDBY_ARG = "--standby"
+# Set by the supervisor for the processes it starts (the worker, the smoke test): the console's
+# LogFormat. With json the worker prints each logged step and eval, and the smoke test each
+# check, as one WorkerRecord (JSON) instead of a text line, and the supervisor puts its fields
+# on its own JSON console; every other line stays text, which the supervisor wraps in a record.
+LOG_FORMAT_ENV = "M3RUN_LOG_FORMAT"
 # events.jsonl "event" of a supervisor whose console is gone (a closed terminal's SIGHUP, EIO or
 # EPIPE on stdout): the run goes on, recorded in the run dir only, as a detached one is.
 CONSOLE_LOST_EVENT = "console_lost"
@@ -146,6 +157,14 @@ SPARE_DISCARDED_EVENT = "spare_discarded"
 SPARES_OFF_EVENT = "spares_off"
 
 # ----------------------------------------------------------------------------- phases
+
+
+class LogFormat(StrEnum):
+    """The console's format (`m3run launch --log-format`): text for people, json (one object
+    per line) for log collectors."""
+
+    TEXT = "text"
+    JSON = "json"
 
 
 class SupervisorPhase(StrEnum):
@@ -350,6 +369,116 @@ class SmokeVerdict:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class SmokeProgress:
+    """smoke_progress.json: the check the preflight smoke subprocess is running, `number` of
+    `total`, since `started`. The supervisor copies it into state.json ("preflight_check") so
+    that `m3run status` shows where a long smoke test is."""
+
+    number: int
+    total: int
+    name: str
+    started: float
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> SmokeProgress | None:
+        if not data:
+            return None
+        number, total = _int(data.get("number")), _int(data.get("total"))
+        name, started = data.get("name"), _number(data.get("started"))
+        if number is None or total is None or not isinstance(name, str) or started is None:
+            return None
+        return cls(number=number, total=total, name=name, started=float(started))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- console records
+
+
+class _WorkerRecord(pydantic.BaseModel):
+    # Closed, and read strictly (parse_worker_record): a line some library printed that happens
+    # to be JSON is not taken for a record (it is echoed as a plain line).
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    def level(self) -> str:
+        """The console level of the record."""
+        return "info"
+
+
+class StepRecord(_WorkerRecord):
+    """A logged training step as the worker prints it on a json console: metrics.jsonl's train
+    record plus what only the console line says (total steps, ETA, peak VRAM)."""
+
+    event: Literal["train"] = "train"
+    time: float
+    step: int
+    total_steps: int
+    loss: float
+    ppl: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    tokens_seen: int
+    mfu: float | None = None
+    vram_bytes: int | None = None
+    eta_s: float | None = None
+    tokens_by_source: dict[str, int] | None = None
+
+
+class EvalRecord(_WorkerRecord):
+    """An eval as the worker prints it on a json console."""
+
+    event: Literal["eval"] = "eval"
+    time: float
+    step: int
+    eval_loss: float
+    ppl: float
+
+
+class SmokeCheckRecord(_WorkerRecord):
+    """One preflight smoke check's outcome as the smoke subprocess prints it on a json
+    console."""
+
+    event: Literal["smoke_check"] = "smoke_check"
+    time: float
+    number: int
+    total: int
+    name: str
+    status: Literal["ok", "failed", "skipped"]
+    seconds: float
+    message: str
+
+    def level(self) -> str:
+        return "error" if self.status == "failed" else "info"
+
+
+WorkerRecord = Annotated[
+    StepRecord | EvalRecord | SmokeCheckRecord, pydantic.Field(discriminator="event")
+]
+
+
+@functools.cache
+def _worker_record() -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(WorkerRecord)
+
+
+def worker_record_line(record: StepRecord | EvalRecord | SmokeCheckRecord) -> str:
+    """The one line a worker prints for `record` (non-finite numbers as null)."""
+    return record.model_dump_json()
+
+
+def parse_worker_record(line: str) -> StepRecord | EvalRecord | SmokeCheckRecord | None:
+    """The record a worker line holds, or None for any other line (text, foreign JSON)."""
+    if not line.startswith("{"):
+        return None
+    try:
+        return _worker_record().validate_json(line, strict=True)
+    except pydantic.ValidationError:
+        return None
+
+
 @dataclass
 class RunState:
     """state.json: what the run's supervisor says about it. Written by the supervisor (atomic
@@ -380,6 +509,8 @@ class RunState:
     longest_startup_s: float | None = None
     # The last smoke test that passed here: config_hash, device (GPU UUIDs or host), time.
     smoke_passed: dict | None = None
+    # While the preflight smoke test runs: the check under way (a SmokeProgress dict).
+    preflight_check: dict | None = None
     # One record per restart across every supervisor of the run: time, reason, kind,
     # exit_code, resume, resume_step, lr_scale, backoff_s, supervisor_pid.
     restarts: list[dict] = dataclasses.field(default_factory=list)
@@ -397,7 +528,7 @@ class RunState:
                 values[f.name] = _int(raw)
             elif f.name in _STATE_TEXTS:
                 values[f.name] = raw if isinstance(raw, str) else None
-            elif f.name in ("last_exit", "smoke_passed"):
+            elif f.name in ("last_exit", "smoke_passed", "preflight_check"):
                 values[f.name] = raw if isinstance(raw, dict) else None
             elif f.name == "restarts":
                 values[f.name] = (

@@ -120,7 +120,7 @@ def list_runs(root: Path | None = None) -> list[dict]:
     root = root if root is not None else runs_root_dir()
     rows = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if not path.is_dir() or not {p.name for p in path.iterdir()} & {STATE_FILE, CONFIG_FILE}:
+        if not _is_run(path):
             continue
         st = collect_status(path)
         rows.append(
@@ -133,10 +133,18 @@ def list_runs(root: Path | None = None) -> list[dict]:
 
 
 def _names(runs_root: Path) -> str:
+    """The run dirs under the runs root, for a message: other folders there (a prepared data
+    set, say) are no run to pass."""
     if not runs_root.is_dir():
         return "none: ./runs/ does not exist here"
-    names = sorted(p.name for p in runs_root.iterdir() if p.is_dir())
+    names = [p.name for p in sorted(runs_root.iterdir()) if _is_run(p)]
     return ", ".join(names) if names else "none"
+
+
+def _is_run(path: Path) -> bool:
+    """A launched run: a directory with its frozen config or a supervisor's state (what `list`
+    shows and names are suggested from)."""
+    return (path / STATE_FILE).is_file() or (path / CONFIG_FILE).is_file()
 
 
 # --------------------------------------------------------------------------- processes
@@ -310,6 +318,8 @@ def collect_status(run_dir: Path) -> dict:
         "phase": phase,
         "recorded_phase": state.phase,
         "reason": state.reason,
+        # While the preflight smoke test runs: the check under way (number, total, name, started).
+        "preflight_check": state.preflight_check if phase == SupervisorPhase.PREFLIGHT else None,
         "worker_phase": hb.phase if hb is not None else None,
         "step": step,
         "total_steps": total,

@@ -6,6 +6,10 @@ error at launch rather than a worker that exits 78 behind a container's halt lat
 M3RUN_TRACKER names one outright, and WANDB_PROJECT set with no tracker configured means wandb
 (the project is that variable's value). TensorBoard event files go to RUN_DIR/tensorboard/,
 beside metrics.jsonl.
+
+Both trackers get the same tags (`tracker_values`), grouped by prefix: train/ (loss, perplexity,
+learning rate, gradient norm, tokens seen), eval/ (validation loss and perplexity) and system/
+(throughput, MFU, step time, GPU memory); each tracker shows a prefix as a section of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,33 @@ from collections.abc import Mapping
 TRACKERS = ("none", "wandb", "tensorboard")
 TRACKER_ENV = "M3RUN_TRACKER"
 TENSORBOARD_DIR = "tensorboard"
+
+# The tag of each tracked number, by metrics.jsonl record kind; a field without one (the record's
+# step and time, the MFU's constant denominator) is not tracked.
+TRACKER_TAGS: dict[str, dict[str, str]] = {
+    "train": {
+        "loss": "train/loss",
+        "ppl": "train/ppl",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "tokens_seen": "train/tokens_seen",
+        "tokens_per_s": "system/tokens_per_s",
+        "mfu": "system/mfu",
+        "step_time_s": "system/step_time_s",
+        "vram_bytes": "system/vram_bytes",
+    },
+    "eval": {"eval_loss": "eval/loss", "ppl": "eval/ppl"},
+}
+
+
+def tracker_values(record: Mapping[str, object]) -> dict[str, float]:
+    """The numbers of a metrics record (its `kind` picks the tags) under their tracker tags."""
+    tags = TRACKER_TAGS.get(str(record.get("kind")), {})
+    return {
+        tags[k]: v
+        for k, v in record.items()
+        if k in tags and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def resolve_tracker(configured: str, env: Mapping[str, str] = os.environ) -> str:

@@ -25,6 +25,7 @@ TORCH_FREE = (
     "m3run.runner.supervisor",
     "m3run.runner.health",
     "m3run.runner.protocol",
+    "m3run.runner.console",
     "m3run.runner.files",
     "m3run.runner.formatting",
     "m3run.runner.procs",

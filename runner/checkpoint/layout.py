@@ -421,11 +421,13 @@ def dir_bytes(path: Path) -> int:
         return 0
 
 
-def format_checkpoint_table(infos: Iterable[CheckpointInfo]) -> str:
-    """Plain-text table for `m3run checkpoints DIR`: step, status, size on disk, saved_at (UTC)."""
+def format_checkpoint_table(infos: Iterable[CheckpointInfo], hashed: bool = False) -> str:
+    """Plain-text table for `m3run checkpoints DIR`: step, status, size on disk, saved_at (UTC).
+    `hashed`: the infos come from hashing the files (list_checkpoints(verify=True)), so a
+    complete checkpoint's status says its hashes matched: "verified"."""
     rows = [("STEP", "STATUS", "SIZE", "SAVED_AT (UTC)")]
     for info in infos:
-        status = "complete" if info.complete else f"torn: {info.reason}"
+        status = ("verified" if hashed else "complete") if info.complete else f"torn: {info.reason}"
         saved = info.meta.get("saved_at") if info.meta else None
         saved_text = (
             time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(saved))

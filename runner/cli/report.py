@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from m3run.runner.formatting import format_duration
+from m3run.runner.protocol import SmokeProgress, SupervisorPhase
 from m3run.runner.runstate import collect_status, runs_root_dir
 
 
@@ -92,14 +93,25 @@ def format_status(st: dict) -> str:
         f"run        {st['run_dir']}",
         f"phase      {st['phase'] or st.get('state_problem') or 'never launched'}"
         + (f"  ({st['reason']})" if st.get("reason") else ""),
-        f"step       {step}/{total}{eta}",
-        f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
-        f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
-        speed,
-        f"heartbeat  {_fmt_num(st['heartbeat_age_s'], '.1f')}s ago "
-        f"(worker phase {st['worker_phase'] or '-'}, allowance "
-        f"{_fmt_num(st['heartbeat_timeout_s'], '.0f')}s)",
     ]
+    # Before its first worker a run has a preflight to show, and no heartbeat (nor, at a first
+    # launch, a step) yet.
+    preflight = st["phase"] == SupervisorPhase.PREFLIGHT
+    if preflight:
+        lines.append(f"preflight  {_fmt_preflight(st.get('preflight_check'))}")
+    if not preflight or st["step"] is not None:
+        lines += [
+            f"step       {step}/{total}{eta}",
+            f"loss       {_fmt_num(st['loss'], '.4f')}   ppl {_fmt_num(st['ppl'], '.2f')}   "
+            f"lr {_fmt_num(st['lr'], '.3g')}   grad_norm {_fmt_num(st['grad_norm'], '.3g')}",
+            speed,
+        ]
+    if not preflight:
+        lines.append(
+            f"heartbeat  {_fmt_num(st['heartbeat_age_s'], '.1f')}s ago "
+            f"(worker phase {st['worker_phase'] or '-'}, allowance "
+            f"{_fmt_num(st['heartbeat_timeout_s'], '.0f')}s)"
+        )
     if st.get("vram_bytes") is not None or st.get("peak_vram_bytes") is not None:
         lines.append(
             f"vram       {_fmt_bytes(st['vram_bytes'])} (peak {_fmt_bytes(st['peak_vram_bytes'])})"
@@ -130,6 +142,18 @@ def format_status(st: dict) -> str:
             f"  {when}  exit {r.get('exit_code')}  resume {r.get('resume_step')}  {r.get('reason')}"
         )
     return "\n".join(lines)
+
+
+def _fmt_preflight(check: dict | None) -> str:
+    """The smoke check under way, e.g. `smoke test check 3/8: model forward/backward (running
+    12s)`; before one runs, what the preflight does."""
+    progress = SmokeProgress.from_dict(check)
+    if progress is None:
+        return "GPU health gate and smoke test (no smoke check running)"
+    running = format_duration(time.time() - progress.started)
+    return (
+        f"smoke test check {progress.number}/{progress.total}: {progress.name} (running {running})"
+    )
 
 
 def _fmt_gpu(g: Any) -> str:

@@ -3,21 +3,74 @@
 
 from __future__ import annotations
 
+import importlib
 import unicodedata
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from m3run.runner.cli.app import RUN_HELP, Overrides, app, fail, run_dir_of
+from m3run.runner.console import Console
+from m3run.runner.protocol import LogFormat
+
+
+def _launch_messages(log_format: LogFormat | str) -> Console:
+    return Console(log_format, source="launch", prefix="m3run launch")
+
+
+def _asked_format(args: Sequence[str]) -> LogFormat:
+    """The --log-format value among raw arguments (the last one given), TEXT when none is valid:
+    what a usage error is said in, before the arguments could be parsed."""
+    found = LogFormat.TEXT
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--log-format" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--log-format="):
+            value = arg.split("=", 1)[1]
+        if value in tuple(LogFormat):
+            found = LogFormat(value)
+    return found
+
+
+# The exceptions of the click that typer runs on (recent typers vendor their own copy).
+_click_errors = importlib.import_module(typer.BadParameter.__module__)
+
+
+class _LaunchCommand(typer.core.TyperCommand):
+    """`launch`, whose usage errors (a missing CONFIG, an unknown option, a bad value) are JSON
+    records when its arguments ask for --log-format json, like everything else it prints."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: typer.Context | None = None,
+        **extra: Any,
+    ) -> typer.Context:
+        asked = _asked_format(args)
+        try:
+            return super().make_context(info_name, list(args), parent=parent, **extra)
+        except _click_errors.UsageError as e:
+            if asked != LogFormat.JSON:
+                raise
+            message = e.format_message().rstrip(".")
+            if e.ctx is not None:
+                message += f"; see `{e.ctx.command_path} --help`"
+            _launch_messages(asked).error(message, e.exit_code, event="usage_error")
+            raise typer.Exit(e.exit_code) from None
 
 
 @app.command(
+    cls=_LaunchCommand,
     epilog=(
         "Exit codes: 0 finished or stopped by the user, 75 preempted (saved: reschedule), 69 GPU "
         "unhealthy, 70 restart budget or no-progress limit spent, 78 bad config or data (also a "
         "changed config without --force, a failed smoke test), 1 run dir busy, 2 bad arguments."
-    )
+    ),
 )
 def launch(
     config: Annotated[
@@ -55,14 +108,15 @@ def launch(
         ),
     ] = False,
     log_format: Annotated[
-        str,
+        LogFormat,
         typer.Option(
             "--log-format",
             metavar="text|json",
             help="Console lines: text (ISO-8601 UTC timestamps; NO_COLOR honoured) or json "
-            "(one object per line, the worker's output included).",
+            "(one object per line: the worker's steps with their numbers as fields, errors "
+            "and warnings included).",
         ),
-    ] = "text",
+    ] = LogFormat.TEXT,
     smoke: Annotated[
         bool,
         typer.Option(
@@ -75,21 +129,24 @@ def launch(
     """Freeze the config, check the GPU, smoke-test, then train under the supervisor."""
     from m3run.runner.supervisor import launch as supervisor
 
+    messages = _launch_messages(log_format)
+
+    def usage_error(message: str) -> typer.Exit:
+        messages.error(message, 2, event="usage_error")
+        return typer.Exit(2)
+
     if run_dir is not None and name is not None:
-        raise fail(f"m3run launch: give --run-dir ({run_dir}) or --name ({name!r}), not both", 2)
+        raise usage_error(f"give --run-dir ({run_dir}) or --name ({name!r}), not both")
     if name is not None and not _plain_name(name):
         # repr() keeps a newline in the name from splitting the message over two lines.
-        raise fail(
-            f"m3run launch: --name {name!r} must be a plain directory name (no '/', '\\' or "
-            "control characters such as a newline); use --run-dir for a path",
-            2,
+        raise usage_error(
+            f"--name {name!r} must be a plain directory name (no '/', '\\' or "
+            "control characters such as a newline); use --run-dir for a path"
         )
     try:
         resume = supervisor.check_resume(resume)
     except supervisor.LaunchError as e:
-        raise fail(f"m3run launch: {e}", 2) from None
-    if log_format not in ("text", "json"):
-        raise fail(f"m3run launch: --log-format must be text or json, got {log_format!r}", 2)
+        raise usage_error(str(e)) from None
     from m3run.runner.runstate import runs_root_dir
 
     run_dir = run_dir if run_dir is not None else runs_root_dir() / (name or config.stem)
@@ -165,7 +222,12 @@ def train(
         ),
     ] = "latest",
     force: Annotated[
-        bool, typer.Option("--force", help="Accept a changed config, or --resume none over old")
+        bool,
+        typer.Option(
+            "--force",
+            help="Accept a changed config; with --resume none, start over with the old "
+            "checkpoints moved aside.",
+        ),
     ] = False,
     lr_scale: Annotated[
         float,

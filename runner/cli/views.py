@@ -151,14 +151,27 @@ def checkpoints(
     infos = list_checkpoints(run_dir_of(run), verify=verify)
     if as_json:
         rows = [
-            {"step": i.step, "path": str(i.path), "complete": i.complete, "reason": i.reason}
+            {
+                "step": i.step,
+                "path": str(i.path),
+                "complete": i.complete,
+                # sha256 of both files matched meta.json (only --verify hashes them)
+                "verified": verify and i.complete,
+                "reason": i.reason,
+            }
             for i in infos
         ]
         typer.echo(json.dumps(rows, indent=2))
     else:
-        typer.echo(format_checkpoint_table(infos) if infos else "no checkpoints")
+        typer.echo(format_checkpoint_table(infos, hashed=verify) if infos else "no checkpoints")
         if infos and not verify:
             typer.echo("(sizes checked; `--verify` hashes the files too)")
+        elif infos:
+            good = sum(i.complete for i in infos)
+            typer.echo(
+                f"(hashes verified: the sha256 of every file matched meta.json in {good} of "
+                f"{len(infos)} checkpoint{'s' if len(infos) != 1 else ''})"
+            )
     raise typer.Exit(0 if not infos or any(i.complete for i in infos) else 1)
 
 

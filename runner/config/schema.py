@@ -442,6 +442,20 @@ class RunConfig(_Section):
             self.model_dump(mode="json"), sort_keys=False, allow_unicode=True, width=100
         )
 
+    def flat(self) -> dict[str, Any]:
+        """Every field as "section.key": value, nested mappings dotted further (what a config
+        diff lists, and a tracker records as the run's hyperparameters)."""
+
+        def walk(value: Any, prefix: str) -> dict[str, Any]:
+            if not isinstance(value, dict):
+                return {prefix: value}
+            out: dict[str, Any] = {}
+            for k, v in value.items():
+                out.update(walk(v, f"{prefix}.{k}" if prefix else str(k)))
+            return out
+
+        return walk(self.model_dump(mode="json"), "")
+
     def warnings(self) -> list[str]:
         """Legal but probably unintended settings, one sentence each, for the CLI to show."""
         t, out = self.train, []

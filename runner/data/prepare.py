@@ -417,7 +417,8 @@ def prepare_data(
             bpe_size = parse_bpe_spec(tokenizer)
             bar.phase(f"training bpe:{bpe_size}", total_bytes)
             trained = out / "tokenizer.json"
-            train_bpe(_reported(docs, bar), bpe_size, trained)
+            merging = bar.waiting(f"training bpe:{bpe_size}: computing merges")
+            train_bpe(_reported(docs, bar), bpe_size, trained, merging)
             bar.done()
             if docs.bytes_read == 0:
                 raise DataError(no_documents_message(resolved, max_bytes))

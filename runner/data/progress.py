@@ -3,8 +3,11 @@ elsewhere (a container log, a CI job, `nohup`), so a long preparation is never s
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from m3run.runner.formatting import count
@@ -17,7 +20,8 @@ def _mb(n: float) -> str:
 
 
 class Progress:
-    """`phase()`, `advance(bytes, documents, tokens)`, `done()`, as a context manager.
+    """`phase()`, `advance(bytes, documents, tokens)`, `done()`, as a context manager; and
+    `waiting()` around work that reports nothing as it goes (a BPE trainer computing merges).
 
     mode "bar" (a terminal), "lines" (a plain line to stderr at most every `interval_s` seconds
     and at the end of each phase) or "off".
@@ -82,6 +86,50 @@ class Progress:
         elif self.mode == "lines":
             self._line(final=True)
 
+    @contextlib.contextmanager
+    def waiting(self, description: str) -> Iterator[None]:
+        """Show that `description` is under way while the body runs, with the time it has
+        taken: a bar whose text counts the seconds, or a line when it starts, every
+        `interval_s` seconds and when it ends. The count runs on a thread, so the body must
+        let go of the GIL (the tokenizers library does while it trains)."""
+        if self.mode == "off":
+            yield
+            return
+        started = time.monotonic()
+        task = None
+        if self._bar is not None:
+            task = self._bar.add_task(description, total=None)
+        else:
+            _say(f"prepare-data: {description}")
+
+        def show() -> None:
+            elapsed = time.monotonic() - started
+            if task is not None:
+                self._bar.update(task, description=f"{description} ({elapsed:,.0f} s)")
+            else:
+                _say(f"prepare-data: {description} ({elapsed:,.0f} s so far)")
+
+        stop = threading.Event()
+        period = 1.0 if task is not None else self.interval_s
+
+        def tick() -> None:
+            while not stop.wait(period):
+                show()
+
+        ticker = threading.Thread(target=tick, name="m3run-progress", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            elapsed = time.monotonic() - started
+            if task is not None:  # a byte count means nothing here: a line in its place
+                self._bar.remove_task(task)
+                self._bar.console.print(f"{description} done in {elapsed:,.0f} s")
+            else:
+                _say(f"prepare-data: {description} done in {elapsed:,.0f} s")
+
     def _line(self, final: bool = False) -> None:
         now = time.monotonic()
         self._last = now
@@ -105,3 +153,7 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -6,9 +6,10 @@ cannot download its encoding the error says which files to provide and where. To
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,25 @@ def _tiktoken_offline_message(err: BaseException) -> str:
     )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, path: Path) -> None:
-    """Train a byte-level BPE with `<|endoftext|>` (id 0) as EOS; save it as tokenizer.json."""
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    path: Path,
+    merging: contextlib.AbstractContextManager | None = None,
+) -> None:
+    """Train a byte-level BPE with `<|endoftext|>` (id 0) as EOS; save it as tokenizer.json.
+    The trainer reads every text, then computes the merges, a long step that reports nothing:
+    `merging` (e.g. Progress.waiting) is entered once the texts are read and left when the
+    merges are done."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    after = contextlib.ExitStack()
+
+    def read() -> Iterator[str]:
+        yield from texts
+        if merging is not None:
+            after.enter_context(merging)
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -152,7 +168,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    with after:
+        tok.train_from_iterator(read(), trainer=trainer)
     tmp = path.with_name(path.name + ".tmp")
     tok.save(str(tmp))
     os.replace(tmp, path)

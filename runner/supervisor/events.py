@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from m3run.runner.console import iso_time, json_record, text_level
 from m3run.runner.files import RunDirWriteError, append_jsonl, open_append
-from m3run.runner.protocol import CONSOLE_LOST_EVENT, EVENTS_FILE, SUPERVISOR_LOG
-
-LOG_FORMATS = ("text", "json")
-
-
-def iso_time(t: float) -> str:
-    """ISO-8601 UTC with milliseconds: 2026-12-01T10:42:07.123Z."""
-    stamp = datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
-    return stamp.replace("+00:00", "Z")
+from m3run.runner.protocol import (
+    CONSOLE_LOST_EVENT,
+    EVENTS_FILE,
+    SUPERVISOR_LOG,
+    LogFormat,
+    parse_worker_record,
+)
 
 
 class EventLog:
@@ -30,19 +27,19 @@ class EventLog:
     with `console` one line on stdout. The console is one format for every line, the worker's
     echoed output included (what `docker logs` and `kubectl logs` show): `text` (the default),
     an ISO-8601 UTC timestamp, the source and a short message, colour only on a terminal without
-    NO_COLOR; or `json`, one object per line.
+    NO_COLOR; or `json`, one object per line (runner.console), where the worker's logged steps
+    and evals are records with their numbers as fields (runner.protocol.StepRecord) and its
+    other lines are records of event "output".
 
     A lost console (a closed terminal's SIGHUP, EIO or EPIPE on stdout, a closed stdout) never
     raises: the supervisor goes on without it, recording in the run dir only, as a detached one
     does, and one `console_lost` event says so."""
 
-    def __init__(self, run_dir: Path, console: bool, log_format: str = "text"):
-        if log_format not in LOG_FORMATS:
-            raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
+    def __init__(self, run_dir: Path, console: bool, log_format: LogFormat | str = LogFormat.TEXT):
+        self._json = LogFormat(log_format) == LogFormat.JSON
         self.run_dir = run_dir
         self._open_log()
         self._console = console
-        self._json = log_format == "json"
         self._color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         self._lost: str | None = None  # why the console went away, until its event is written
         self._lost_recorded = False
@@ -125,14 +122,11 @@ class EventLog:
             self.lose_console(f"writing to the console failed ({type(e).__name__}: {e})")
 
     def _print(self, record: dict, level: str) -> None:
-        when = iso_time(record["time"])
         if self._json:
-            line = json.dumps(
-                {**record, "time": when, "source": "supervisor", "level": level},
-                sort_keys=True,
-                default=str,
-            )
+            fields = {k: v for k, v in record.items() if k not in ("time", "event")}
+            line = json_record("supervisor", level, record["event"], record["time"], **fields)
         else:
+            when = iso_time(record["time"])
             # Scalars only: the health report, argv and the like stay in events.jsonl.
             extra = " ".join(
                 f"{k}={v}"
@@ -155,12 +149,15 @@ class EventLog:
         if not self._console:
             return
         text = line.rstrip("\n")
-        when = iso_time(time.time())
-        if self._json:
-            out = json.dumps({"time": when, "source": "worker", "line": text})
-        else:
-            out = f"{when} worker {text}"
-        self._write(out)
+        if not self._json:
+            self._write(f"{iso_time(time.time())} worker {text}")
+            return
+        record = parse_worker_record(text)
+        if record is None:
+            self._write(json_record("worker", text_level(text), "output", time.time(), line=text))
+            return
+        fields = record.model_dump(exclude={"event", "time"})
+        self._write(json_record("worker", record.level(), record.event, record.time, **fields))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a full disk may refuse the last flush

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from m3run.runner.checkpoint.layout import list_checkpoints
 from m3run.runner.config import (
     ConfigError,
@@ -24,6 +22,7 @@ from m3run.runner.config import (
     load_frozen_config,
     resolve_data_paths,
 )
+from m3run.runner.console import Console
 from m3run.runner.files import (
     PidLock,
     append_jsonl,
@@ -48,6 +47,7 @@ from m3run.runner.protocol import (
     TOKENIZER_FILE,
     WORKER_EXIT_GLOB,
     WORKER_LOCK_FILE,
+    LogFormat,
 )
 from m3run.runner.runstate import live_run_process
 from m3run.runner.schedule import lr_at
@@ -135,7 +135,12 @@ class LaunchOptions:
     force: bool = False
     console: bool = True
     smoke: bool = False  # run the smoke test even where it passed for this config and device
-    log_format: str = "text"  # the console's: text or json
+    log_format: LogFormat = LogFormat.TEXT  # the console's
+
+    def messages(self) -> Console:
+        """Where the launch says what is not a supervisor event (refusals, warnings), in the
+        console's format."""
+        return Console(self.log_format, source="launch", prefix="m3run launch")
 
 
 def check_resume(value: str) -> str:
@@ -204,15 +209,6 @@ def _schedule_jump(run_dir: Path, old: Any, new: Any) -> str | None:
     )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     """Load CONFIG with --set overrides and freeze it as RUN_DIR/config.yaml. A relaunch with a
     different resolved config is refused unless --force. Returns (config, hash)."""
@@ -244,7 +240,7 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     if frozen.exists():
         old_hash = config_hash(old) if old is not None else None
         if old is not None and old_hash != new_hash:
-            a, b = _flatten(yaml.safe_load(old.to_yaml())), _flatten(yaml.safe_load(cfg.to_yaml()))
+            a, b = old.flat(), cfg.flat()
             diff = [
                 f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
                 for k in sorted(set(a) | set(b))
@@ -262,7 +258,7 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
                 )
             jump = _schedule_jump(opts.run_dir, old, cfg)
             if jump:
-                print(f"m3run launch: warning: {jump}", file=sys.stderr)
+                opts.messages().warning(jump, event="lr_jump")
             append_jsonl(
                 opts.run_dir / EVENTS_FILE,
                 {
@@ -277,7 +273,7 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
     return cfg, new_hash
 
 
-def _keep_tokenizer(cfg: Any, run_dir: Path) -> None:
+def _keep_tokenizer(cfg: Any, run_dir: Path, console: Console) -> None:
     """Copy the data's tokenizer into the run dir (TOKENIZER_FILE) at the first launch, or at
     the relaunch of a run dir that lacks one: generate and export then need nothing outside
     the run dir. Data that cannot be read is left to the worker, whose error names it; a
@@ -294,21 +290,21 @@ def _keep_tokenizer(cfg: Any, run_dir: Path) -> None:
     try:
         write_tokenizer_file(split, dest)
     except DataError as e:
-        print(
-            f"m3run launch: warning: no {TOKENIZER_FILE} kept in {run_dir}: {e}. Training goes "
-            "on; generate and export will look for the tokenizer in the data folder",
-            file=sys.stderr,
+        console.warning(
+            f"no {TOKENIZER_FILE} kept in {run_dir}: {e}. Training goes on; generate and "
+            "export will look for the tokenizer in the data folder",
+            event="tokenizer_not_kept",
         )
 
 
-def _check_tracker(cfg: Any, run_dir: Path) -> None:
+def _check_tracker(cfg: Any, run_dir: Path, console: Console) -> None:
     """A tracker that cannot start is an error at a run's first launch (the user asked for
     tracking) and a warning once it has checkpoints (a tracker must never stop a run)."""
     problem = tracker_problem(cfg.log.tracker)
     if problem is None:
         return
     if any(c.complete for c in list_checkpoints(run_dir, verify=False)):
-        print(f"m3run launch: warning: {problem}; training goes on untracked", file=sys.stderr)
+        console.warning(f"{problem}; training goes on untracked", event="tracker_unavailable")
         return
     raise LaunchError(f"experiment tracker: {problem}", EXIT_CONFIG)
 
@@ -334,13 +330,13 @@ def _check_config_file(config: Path) -> None:
         raise LaunchError(str(e), EXIT_CONFIG) from None
 
 
-def _refused(err: LaunchError | OSError) -> int:
-    """Print why the launch is refused; its exit code (78 for a run dir that cannot be
+def _refused(err: LaunchError | OSError, console: Console) -> int:
+    """Say why the launch is refused; its exit code (78 for a run dir that cannot be
     written)."""
     if isinstance(err, LaunchError):
-        print(f"m3run launch: {err}", file=sys.stderr)
+        console.error(str(err), err.exit_code, event="refused")
         return err.exit_code
-    print(f"m3run launch: {describe_os_error(err)}", file=sys.stderr)
+    console.error(describe_os_error(err), EXIT_CONFIG, event="refused")
     return EXIT_CONFIG
 
 
@@ -359,19 +355,19 @@ def launch(opts: LaunchOptions) -> int:
         lock = RunLock(opts.run_dir)
         lock.acquire()
     except (LaunchError, OSError) as e:
-        return _refused(e)
+        return _refused(e, opts.messages())
     sup = None
     try:
         check_resume_step(opts.run_dir, resume)
         cfg, chash = freeze_config(opts)
         done = finished_message(cfg, opts, resume)
         if done is not None:
-            print(f"m3run launch: {done}")
+            opts.messages().info(done, event="finished")
             return EXIT_OK
         for warning in cfg.warnings():
-            print(f"m3run launch: warning: {warning}", file=sys.stderr)
-        _check_tracker(cfg, opts.run_dir)
-        _keep_tokenizer(cfg, opts.run_dir)
+            opts.messages().warning(warning, event="config_warning")
+        _check_tracker(cfg, opts.run_dir, opts.messages())
+        _keep_tokenizer(cfg, opts.run_dir, opts.messages())
         settings = SupervisorSettings.from_config(cfg)
         # No --lr-scale on a relaunch: a NaN rollback's LR cut lives in the checkpoints the
         # worker wrote after it.
@@ -390,7 +386,7 @@ def launch(opts: LaunchOptions) -> int:
             run_lock=lock.pid_lock,
         )
     except (LaunchError, OSError) as e:
-        return _refused(e)
+        return _refused(e, opts.messages())
     finally:
         if sup is None and created:
             lock.discard()
@@ -406,10 +402,11 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
     """Start the supervisor as a daemon (its own session, output to supervisor.log) and return
     once it has written state.json with its pid. Returns 0, or the daemon's exit code if it
     refused to start."""
+    messages = opts.messages()
     try:
         _check_config_file(opts.config)
     except LaunchError as e:
-        return _refused(e)
+        return _refused(e, messages)
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,
@@ -428,17 +425,20 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
         argv.append("--force")
     if opts.smoke:
         argv.append("--smoke")
-    argv += ["--log-format", opts.log_format]
+    argv += ["--log-format", LogFormat(opts.log_format).value]
     log_path = opts.run_dir / SUPERVISOR_LOG
     proc, offset = spawn_logged(argv, log_path)
     deadline = time.monotonic() + wait_s
     while True:
         state = read_json(opts.run_dir / STATE_FILE)
         if state and state.get("supervisor_pid") == proc.pid:
-            print(
-                f"m3run launch: supervisor pid {proc.pid} is running {opts.run_dir} in the "
+            messages.info(
+                f"supervisor pid {proc.pid} is running {opts.run_dir} in the "
                 f"background; follow it with `m3run status {opts.run_dir} --watch` or "
-                f"`m3run logs {opts.run_dir} -f`, stop it with `m3run stop {opts.run_dir}`"
+                f"`m3run logs {opts.run_dir} -f`, stop it with `m3run stop {opts.run_dir}`",
+                event="detached",
+                pid=proc.pid,
+                run_dir=str(opts.run_dir),
             )
             return EXIT_OK
         code = proc.poll()
@@ -446,19 +446,23 @@ def launch_detached(opts: LaunchOptions, wait_s: float = 60.0) -> int:
             with open(log_path, "rb") as f:
                 f.seek(offset)
                 tail = f.read().decode(errors="replace").strip()
-            print(
-                tail
-                or f"m3run launch: the supervisor exited {code} before starting; see {log_path}",
-                file=sys.stderr,
-            )
             # 0 before any state: the run was finished, which the tail says.
-            return code
+            if tail:
+                messages.relay(tail)
+            else:
+                messages.error(
+                    f"the supervisor exited {code} before starting; see {log_path}",
+                    code if code != EXIT_OK else EXIT_REFUSED,
+                    event="refused",
+                )
+            return code if (tail or code != EXIT_OK) else EXIT_REFUSED
         if time.monotonic() > deadline:
-            print(
-                f"m3run launch: supervisor pid {proc.pid} did not write {STATE_FILE} within "
+            messages.error(
+                f"supervisor pid {proc.pid} did not write {STATE_FILE} within "
                 f"{wait_s:g}s; it may still be starting: check `m3run logs {opts.run_dir} "
                 "--supervisor`",
-                file=sys.stderr,
+                EXIT_REFUSED,
+                event="refused",
             )
             return EXIT_REFUSED
         time.sleep(0.05)

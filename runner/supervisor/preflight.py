@@ -25,7 +25,9 @@ from m3run.runner.protocol import (
     EXIT_CONFIG,
     EXIT_UNAVAILABLE,
     SMOKE_FILE,
+    SMOKE_PROGRESS_FILE,
     WORKER_LOG,
+    SmokeProgress,
     SmokeVerdict,
 )
 from m3run.runner.supervisor.events import EventLog
@@ -284,12 +286,30 @@ class SmokeTest:
         timeout_s: float,
         poll_s: float,
         echo: Callable[[str], None],
-        tick: Callable[[], None],
+        tick: Callable[..., None],
         stop_requested: Callable[[], bool],
     ) -> tuple[bool, str]:
         """(passed, message). `tick` runs every poll (state.json stays fresh for the liveness
-        check); a stop request or the timeout kills the child."""
+        check), given `preflight_check=` the check the child runs whenever that changes (None
+        once it is done); a stop request or the timeout kills the child."""
         (run_dir / SMOKE_FILE).unlink(missing_ok=True)
+        try:
+            return self._run(run_dir, env, timeout_s, poll_s, echo, tick, stop_requested)
+        finally:
+            (run_dir / SMOKE_PROGRESS_FILE).unlink(missing_ok=True)
+            tick(preflight_check=None)
+
+    def _run(
+        self,
+        run_dir: Path,
+        env: dict[str, str],
+        timeout_s: float,
+        poll_s: float,
+        echo: Callable[[str], None],
+        tick: Callable[..., None],
+        stop_requested: Callable[[], bool],
+    ) -> tuple[bool, str]:
+        (run_dir / SMOKE_PROGRESS_FILE).unlink(missing_ok=True)
         argv = [
             sys.executable,
             "-m",
@@ -307,10 +327,16 @@ class SmokeTest:
         )
         tail = LogTail(log_path, offset)
         deadline = time.monotonic() + timeout_s
+        shown: SmokeProgress | None = None
         while proc.poll() is None:
             for line in tail.lines():
                 echo(line)
-            tick()
+            progress = SmokeProgress.from_dict(read_json(run_dir / SMOKE_PROGRESS_FILE))
+            if progress is not None and progress != shown:
+                shown = progress
+                tick(preflight_check=progress.to_dict())
+            else:
+                tick()
             if stop_requested() or time.monotonic() > deadline:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -13,12 +13,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from m3run.runner.console import Console
 from m3run.runner.files import RunDirWriteError, atomic_write_text
 from m3run.runner.procs import create_time
 from m3run.runner.protocol import EXIT_CONFIG, STATE_FILE, RunState, SupervisorPhase
@@ -117,7 +117,9 @@ class StateFile:
             os.close(fd)
 
 
-def end_unwritable(state_file: StateFile, emit: Callable[..., None], err: RunDirWriteError) -> int:
+def end_unwritable(
+    state_file: StateFile, emit: Callable[..., None], err: RunDirWriteError, console: Console
+) -> int:
     """The end of a run whose run dir cannot be written (full disk, read-only remount), its
     worker stopped: the final state in place if the disk allows, the event if it can be
     logged, the reason on stderr, and exit 78, so that a deploy recipe halts instead of
@@ -132,11 +134,13 @@ def end_unwritable(state_file: StateFile, emit: Callable[..., None], err: RunDir
     )
     with contextlib.suppress(OSError):
         emit(SupervisorPhase.FAILED, reason=reason, level="error", exit_code=EXIT_CONFIG)
-    print(f"m3run supervisor: {reason}", file=sys.stderr)
-    if not recorded:
-        print(
-            f"m3run supervisor: {STATE_FILE} could not be updated either; "
-            "`m3run status` will show the run as dead",
-            file=sys.stderr,
+    if recorded:
+        console.error(reason, EXIT_CONFIG, event="run_dir_unwritable")
+    else:
+        console.error(
+            f"{reason}. {STATE_FILE} could not be updated either; `m3run status` will show "
+            "the run as dead",
+            EXIT_CONFIG,
+            event="run_dir_unwritable",
         )
     return EXIT_CONFIG

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from m3run.runner.console import Console
 from m3run.runner.files import PidLock, RunDirWriteError, describe_os_error, lock_holder, read_json
 from m3run.runner.procs import describe_exit
 from m3run.runner.protocol import (
@@ -58,8 +59,10 @@ from m3run.runner.protocol import (
     EXIT_OK,
     EXIT_SOFTWARE,
     FINAL_WORKER_PHASES,
+    LOG_FORMAT_ENV,
     STATE_FILE,
     WORKER_LOG,
+    LogFormat,
     RunState,
     SupervisorPhase,
     WorkerPhase,
@@ -101,7 +104,7 @@ class Supervisor:
         resume: str = "latest",
         lr_scale: float = 1.0,
         console: bool = False,
-        log_format: str = "text",
+        log_format: LogFormat | str = LogFormat.TEXT,
         config_hash: str | None = None,
         gpu: GpuProbe | None = None,
         smoke: SmokeTest | None = None,
@@ -116,10 +119,13 @@ class Supervisor:
         self.lr_scale = lr_scale
         self.config_hash = config_hash
         self.env = dict(os.environ if env is None else env)
+        # The worker and the smoke test print their records in the console's format.
+        self.env[LOG_FORMAT_ENV] = LogFormat(log_format).value
         self.handle_signals = handle_signals
         self.run_lock = run_lock  # supervisor.lock, kept held at its path (_keep_lock)
         self._lock_lost = False
         self.log = EventLog(self.run_dir, console, log_format)
+        self.console = Console(log_format, source="supervisor", prefix="m3run supervisor")
 
         self.stops = StopControl(self.run_dir, settings.stop_grace_s)
         self.worker: WorkerProcess | None = None
@@ -287,7 +293,7 @@ class Supervisor:
         """The run dir cannot be written: stop the worker, which cannot save either, then end
         the run as state.end_unwritable records it."""
         self._stop_worker()
-        return end_unwritable(self.state_file, self.log.emit, err)
+        return end_unwritable(self.state_file, self.log.emit, err, self.console)
 
     def _stop_worker(self) -> str:
         """SIGTERM a running worker (it saves at its next step boundary and exits 75) and

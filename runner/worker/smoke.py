@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -47,7 +48,18 @@ from m3run.runner.data.manifest import DataError, load_manifest
 from m3run.runner.data.mixture import train_loader
 from m3run.runner.files import atomic_write_json
 from m3run.runner.procs import exit_now
-from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, SmokeVerdict
+from m3run.runner.protocol import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    LOG_FORMAT_ENV,
+    SMOKE_FILE,
+    SMOKE_PROGRESS_FILE,
+    LogFormat,
+    SmokeCheckRecord,
+    SmokeProgress,
+    SmokeVerdict,
+    worker_record_line,
+)
 
 from .build import (
     autocast,
@@ -532,11 +544,18 @@ CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [
 
 
 def run_smoke(
-    cfg: RunConfig, run_dir: str | Path | None = None, echo=print, compile_backend="inductor"
+    cfg: RunConfig,
+    run_dir: str | Path | None = None,
+    echo=print,
+    compile_backend="inductor",
+    on_start: Callable[[SmokeProgress], None] | None = None,
+    on_check: Callable[[Check], None] | None = None,
 ) -> SmokeResult:
     """Run every check in order (later checks are skipped when one they need failed). With
     ``run_dir`` the checkpoint round trip writes there (see the module docstring);
-    ``compile_backend`` is train.compile's torch.compile backend (another one in tests)."""
+    ``compile_backend`` is train.compile's torch.compile backend (another one in tests).
+    ``on_start`` hears of each check as it starts; each outcome goes to ``on_check``, else to
+    ``echo`` as a text line."""
     result = SmokeResult()
     # With train.compile, dynamo and inductor import beside checks 1–3's setup, as the worker
     # imports them beside its own: their import is seconds of CPU that check 3 would otherwise
@@ -550,6 +569,8 @@ def run_smoke(
         result.checks.append(Check(1, CHECKS[0][0], "failed", str(e), 0.0))
         return result
     for number, (name, fn) in enumerate(CHECKS, start=1):
+        if on_start is not None:
+            on_start(SmokeProgress(number, len(CHECKS), name, time.time()))
         t0 = time.perf_counter()
         try:
             status, message = "ok", fn(smoke)
@@ -561,7 +582,9 @@ def run_smoke(
             status, message = "failed", f"{type(e).__name__}: {e}"
         check = Check(number, name, status, message, time.perf_counter() - t0)
         result.checks.append(check)
-        if echo is not None:
+        if on_check is not None:
+            on_check(check)
+        elif echo is not None:
             line = f"{name:<36} {status.upper():<7} {check.seconds:6.1f} s  {message}"
             echo(f"  [{number}/{len(CHECKS)}] {line}")
     return result
@@ -583,7 +606,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", type=Path)
     p.add_argument("--run-dir", type=Path, required=True)
     a = p.parse_args(argv)
-    verdict = _verdict(run_smoke(load_config(a.config), a.run_dir))
+
+    def started(progress: SmokeProgress) -> None:  # `m3run status` shows it (state.json)
+        atomic_write_json(a.run_dir / SMOKE_PROGRESS_FILE, progress.to_dict())
+
+    def checked(check: Check) -> None:
+        record = SmokeCheckRecord(time=time.time(), total=len(CHECKS), **check.to_dict())
+        print(worker_record_line(record), flush=True)
+
+    json_lines = os.environ.get(LOG_FORMAT_ENV) == LogFormat.JSON
+    result = run_smoke(
+        load_config(a.config), a.run_dir, on_start=started, on_check=checked if json_lines else None
+    )
+    verdict = _verdict(result)
     atomic_write_json(a.run_dir / SMOKE_FILE, verdict.to_dict())
     print(f"smoke: {'ok' if verdict.ok else 'FAILED'}: {verdict.message}", flush=True)
     return EXIT_OK if verdict.ok else EXIT_CONFIG

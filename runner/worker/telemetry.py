@@ -1,12 +1,14 @@
 """What the worker tells the outside while it trains: heartbeat.json (the supervisor's hang
-detection and `m3run status`), the metrics.jsonl records, the console step line, the optional
-experiment tracker (runner.tracking: wandb or TensorBoard) and the MFU estimate."""
+detection and `m3run status`), the metrics.jsonl records, the console step line (a StepRecord
+under a json console), the optional experiment tracker (runner.tracking: wandb or TensorBoard)
+and the MFU estimate."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import hashlib
+import json
 import math
 import os
 import time
@@ -19,8 +21,24 @@ import torch
 from m3run.runner.config import ConfigError, RunConfig
 from m3run.runner.files import append_jsonl, atomic_write_json
 from m3run.runner.formatting import format_duration
-from m3run.runner.protocol import METRICS_FILE, Heartbeat, WorkerPhase, heartbeat_file
-from m3run.runner.tracking import TENSORBOARD_DIR, resolve_tracker, tracker_problem, why_chosen
+from m3run.runner.protocol import (
+    LOG_FORMAT_ENV,
+    METRICS_FILE,
+    EvalRecord,
+    Heartbeat,
+    LogFormat,
+    StepRecord,
+    WorkerPhase,
+    heartbeat_file,
+    worker_record_line,
+)
+from m3run.runner.tracking import (
+    TENSORBOARD_DIR,
+    resolve_tracker,
+    tracker_problem,
+    tracker_values,
+    why_chosen,
+)
 
 from .dist import Dist
 
@@ -128,6 +146,8 @@ class Telemetry:
         self.peak_flops = peak_flops(device)
         self.tracker = None
         self._last_heartbeat = 0.0
+        # Under a supervisor whose console is json, steps and evals are printed as records.
+        self.json_lines = os.environ.get(LOG_FORMAT_ENV) == LogFormat.JSON
 
     # ---- heartbeat ----
 
@@ -210,11 +230,28 @@ class Telemetry:
         self.last.update(tokens_per_s=tps, mfu=mfu)
         if not self.dist.writer:
             return
+        vram = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         self.record(record)
-        self.track(record)
-        mem = ""
-        if self.device.type == "cuda":
-            mem = f" | mem {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GB"
+        self.track({**record, "step_time_s": step_time_s, "vram_bytes": vram})
+        if self.json_lines:
+            line = StepRecord(
+                time=record["time"],
+                step=step,
+                total_steps=self.cfg.train.total_steps,
+                loss=record["loss"],
+                ppl=record["ppl"],
+                lr=record["lr"],
+                grad_norm=record["grad_norm"],
+                tokens_per_s=tps,
+                tokens_seen=tokens_seen,
+                mfu=mfu,
+                vram_bytes=vram,
+                eta_s=eta_s,
+                tokens_by_source=tokens_by_source,
+            )
+            print(worker_record_line(line), flush=True)
+            return
+        mem = f" | mem {vram / 2**30:.1f}GB" if vram is not None else ""
         mfu_text = f" | mfu {record['mfu'] * 100:.1f}%" if record["mfu"] is not None else ""
         print(
             f"step {record['step']}/{self.cfg.train.total_steps} | loss {record['loss']:.4f} "
@@ -226,9 +263,14 @@ class Telemetry:
 
     def log_eval(self, step: int, loss: float) -> None:
         record = {"kind": "eval", "step": step, "eval_loss": loss, "time": time.time()}
+        ppl = math.exp(min(loss, 50))
         self.record(record)
-        self.track(record)
-        print(f"eval step {step} | val loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.1f}")
+        self.track({**record, "ppl": ppl})
+        if self.json_lines:
+            line = EvalRecord(time=record["time"], step=step, eval_loss=loss, ppl=ppl)
+            print(worker_record_line(line), flush=True)
+            return
+        print(f"eval step {step} | val loss {loss:.4f} | ppl {ppl:.1f}")
 
     # ---- the experiment tracker ----
 
@@ -255,15 +297,11 @@ class Telemetry:
             self.tracker = None
 
     def track(self, record: dict) -> None:
+        """Log a metrics record's numbers to the tracker, under their grouped tags."""
         if self.tracker is None:
             return
-        numbers = {
-            k: v
-            for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")
-        }
         try:
-            self.tracker.log(numbers, self.current_step())
+            self.tracker.log(tracker_values(record), self.current_step())
         except Exception as e:  # a tracker outage must never kill a running job
             print(f"warning: experiment tracker failed ({e}); disabling it for this process")
             self.tracker = None
@@ -299,12 +337,33 @@ class _Wandb:
 
 
 class _TensorBoard:
-    """TensorBoard event files in RUN_DIR/tensorboard/, one scalar per metric."""
+    """TensorBoard event files in RUN_DIR/tensorboard/, one scalar per metric, and the frozen
+    config as the run's hyperparameters (the HPARAMS tab), written once per run: by the first
+    writer of the directory, not again by a resumed worker."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+        log_dir = run_dir / TENSORBOARD_DIR
+        first = not any(log_dir.glob("events.out.tfevents.*"))
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+        if first:
+            self._record_hparams(cfg)
+
+    def _record_hparams(self, cfg: RunConfig) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        # The plugin takes numbers, strings and booleans; a list (data.sources) goes as text.
+        values = {
+            k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
+            for k, v in cfg.flat().items()
+        }
+        # The metrics the HPARAMS tab compares runs by; their values are the scalars logged.
+        experiment, session_start, _ = hparams(values, {"train/loss": 0.0, "eval/loss": 0.0})
+        writer = self._writer.file_writer
+        writer.add_summary(experiment)
+        writer.add_summary(session_start)
+        self._writer.flush()
 
     def log(self, values: dict, step: int) -> None:
         for key, value in values.items():

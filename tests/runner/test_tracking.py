@@ -55,17 +55,50 @@ def test_tensorboard_writes_the_logged_metrics_beside_metrics_jsonl(corpus, tmp_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    sets = tiny_run_overrides(corpus, **{"train.total_steps": 6, "log.tracker": "tensorboard"})
+    sets = tiny_run_overrides(
+        corpus, **{"train.total_steps": 6, "eval.interval_steps": 3, "log.tracker": "tensorboard"}
+    )
     done = run_worker(run_dir, sets)
     assert done.returncode == 0, done.stderr
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    logged = {e.step: e.value for e in events.Scalars("loss")}
-    train = {
-        r["step"]: r["loss"] for r in read_jsonl(run_dir / METRICS_FILE) if r["kind"] == "train"
-    }
-    assert logged.keys() == train.keys()
-    assert all(logged[s] == pytest.approx(train[s], rel=1e-6) for s in train)
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "eval/loss", "system/tokens_per_s"} <= tags, tags
+    assert all(t.split("/")[0] in ("train", "eval", "system") for t in tags), tags
+    records = read_jsonl(run_dir / METRICS_FILE)
+    for tag, kind, key in (("train/loss", "train", "loss"), ("eval/loss", "eval", "eval_loss")):
+        logged = {e.step: e.value for e in events.Scalars(tag)}
+        expect = {r["step"]: r[key] for r in records if r["kind"] == kind}
+        assert logged.keys() == expect.keys(), tag
+        assert all(logged[s] == pytest.approx(expect[s], rel=1e-6) for s in expect)
+
+
+@pytest.mark.slow
+def test_tensorboard_records_the_frozen_config_as_hyperparameters_once_per_run(corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    run_dir = tmp_path / "run"
+    sets = tiny_run_overrides(corpus, **{"train.total_steps": 4, "log.tracker": "tensorboard"})
+    assert run_worker(run_dir, sets).returncode == 0
+    # Resumed and extended: a second event file, the same run.
+    longer = [*sets, "train.total_steps=6"]
+    done = run_worker(run_dir, longer, "--force")
+    assert done.returncode == 0, done.stderr
+    files = sorted((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    starts = []
+    for path in files:
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag == "_hparams_/session_start_info":
+                    data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    starts.append((path, data.session_start_info.hparams))
+    assert [path for path, _ in starts] == [files[0]]
+    hparams = starts[0][1]
+    assert hparams["model.d_model"].number_value == 64
+    assert hparams["train.total_steps"].number_value == 4
+    assert hparams["data.train_path"].string_value == str(corpus / "train")
 
 
 @pytest.mark.slow

@@ -39,6 +39,24 @@ def test_every_command_has_help():
     assert invoke("--help").exit_code == 0
 
 
+def test_every_help_text_is_whole_sentences():
+    """Each command's description, epilog and option help ends its last sentence (a help
+    text cut short reads as a fact about something else), and every command's --help renders."""
+    import typer
+
+    from m3run.runner.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        texts = {"description": command.help, "epilog": command.epilog}
+        texts.update({f"--{p.name}": getattr(p, "help", None) for p in command.params})
+        for what, text in texts.items():
+            if text:
+                assert text.rstrip().endswith((".", "?", "!")), (name, what, text)
+        result = invoke(name, "--help")
+        assert result.exit_code == 0 and "Usage" in result.output, (name, result.output)
+
+
 # --------------------------------------------------------------------------- status
 
 
@@ -111,9 +129,12 @@ def test_status_finds_runs_by_name_and_latest(tmp_path, monkeypatch):
     write_run(tmp_path / "runs" / "new", phase="stopped")
     assert json.loads(invoke("status", "old", "--json", "--no-gpu").output)["phase"] == "finished"
     assert json.loads(invoke("status", "--json", "--no-gpu").output)["phase"] == "stopped"
+    # A data folder beside the runs is not a run to suggest.
+    (tmp_path / "runs" / "demo-data" / "train").mkdir(parents=True)
+    (tmp_path / "runs" / "demo-data" / "tokenizer.json").write_text("{}")
     result = invoke("status", "nope")
     assert result.exit_code == 1 and "run 'nope' not found" in result.output
-    assert "new, old" in result.output
+    assert "one of the names under ./runs/ (new, old)" in result.output, result.output
     assert "neither nope nor runs/nope is a directory" in result.output
     gone = tmp_path / "gone"
     result = invoke("status", str(gone))
@@ -378,6 +399,34 @@ def test_an_empty_step_directory_does_not_fail_checkpoints_for_good(tmp_path):
     result = invoke("checkpoints", run_dir)
     assert result.exit_code == 0, result.output
     assert "99999999" in result.output and "torn" in result.output
+
+
+def test_checkpoints_verify_says_the_hashes_matched(tmp_path):
+    from m3run.runner.checkpoint.io import save_checkpoint
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    for step in (4, 8):
+        save_checkpoint(run_dir, step, {"w": torch_zeros()}, {"state": {}, "param_groups": []}, {})
+    weights = run_dir / "checkpoints" / "step_00000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+    result = invoke("checkpoints", run_dir, "--verify")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.output.splitlines()[1:3]}
+    assert rows["4"].split()[1] == "verified"
+    assert "torn: sha256 mismatch in model.safetensors" in rows["8"]
+    assert "the sha256 of every file matched meta.json in 1 of 2 checkpoints" in result.output
+    listed = json.loads(invoke("checkpoints", run_dir, "--verify", "--json").output)
+    assert [(r["step"], r["verified"]) for r in listed] == [(4, True), (8, False)]
+    # Without --verify only the sizes were checked: nothing is called verified.
+    result = invoke("checkpoints", run_dir)
+    assert "verified" not in result.output.replace("--verify", "")
+    assert result.output.splitlines()[1].split()[1] == "complete"
+    listed = json.loads(invoke("checkpoints", run_dir, "--json").output)
+    assert not any(r["verified"] for r in listed)
 
 
 def torch_zeros():

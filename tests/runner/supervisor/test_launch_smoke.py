@@ -1,16 +1,22 @@
 """The preflight smoke test runs when it can tell something new: the first launch, a changed
 config, another device, or `--smoke`; an unchanged relaunch on the same device skips it and
-says so. A smoke test that runs has the first worker start beside it as a warm spare."""
+says so. A smoke test that runs has the first worker start beside it as a warm spare, and
+`m3run status` names the check it runs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers.launching import Run, overrides
+from helpers.run_dirs import invoke
 
-from m3run.runner.files import read_jsonl
-from m3run.runner.protocol import EVENTS_FILE, EXIT_OK
+from m3run.runner.files import read_json, read_jsonl
+from m3run.runner.protocol import EVENTS_FILE, EXIT_OK, SMOKE_PROGRESS_FILE, SmokeProgress
 from m3run.runner.supervisor.preflight import SmokeTest
 
 
@@ -99,3 +105,44 @@ def test_data_prepared_again_under_the_same_paths_is_smoke_tested_again(corpus, 
     after = smoke.data_fingerprint()
     assert after != before
     assert "data changed" in smoke.reason_to_run(passed, "h1", "host:a", after)
+
+
+@pytest.mark.slow
+def test_status_during_the_smoke_test_shows_the_check_that_runs(corpus, tmp_path):
+    """The smoke child is frozen (SIGSTOP) once it has started a check: the supervisor has
+    copied that check into state.json and `m3run status` names it instead of an empty step and
+    a heartbeat allowance. Once it goes on, the run trains and the check is cleared."""
+    run_dir = tmp_path / "run"
+    run = Run(run_dir, overrides(corpus, **{"train.total_steps": 2, "supervisor.smoke": "true"}))
+    progress_file = run_dir / SMOKE_PROGRESS_FILE
+
+    def smoke_child():
+        for child in psutil.Process(run.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "m3run.runner.worker.smoke" in child.cmdline():
+                    return child
+        return None
+
+    child = run.wait_for(smoke_child, "the smoke test's process", poll_s=0.001)
+    run.wait_for(progress_file.exists, "the smoke test's first check", poll_s=0.0005)
+    child.send_signal(signal.SIGSTOP)
+    try:
+        # A signal sent is not yet a process stopped: it may start one more check before.
+        run.wait_for(lambda: child.status() == psutil.STATUS_STOPPED, "the smoke test to stop")
+        running = SmokeProgress.from_dict(read_json(progress_file))
+        run.wait_for(
+            lambda: run.state().get("preflight_check") == running.to_dict(),
+            "the supervisor to record the check",
+        )
+        shown = invoke("status", run_dir, "--no-gpu")
+        as_json = json.loads(invoke("status", run_dir, "--no-gpu", "--json").output)
+    finally:
+        child.send_signal(signal.SIGCONT)
+    assert shown.exit_code == 0, shown.output
+    assert (
+        f"preflight  smoke test check {running.number}/8: {running.name} (running" in shown.output
+    ), shown.output
+    assert "heartbeat" not in shown.output and "step       -/-" not in shown.output
+    assert as_json["preflight_check"]["name"] == running.name
+    assert run.wait() == EXIT_OK, run.output()
+    assert run.state()["preflight_check"] is None and not progress_file.exists()
