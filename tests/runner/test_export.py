@@ -143,7 +143,7 @@ def test_checkpoints_list_without_hashing_unless_asked(trained):
     fast = invoke("checkpoints", trained)
     assert fast.exit_code == 0 and "--verify" in fast.output
     full = invoke("checkpoints", trained, "--verify")
-    assert full.exit_code == 0 and "complete" in full.output
+    assert full.exit_code == 0 and "verified" in full.output
 
 
 def test_detach_has_a_short_form():
