@@ -47,6 +47,9 @@ SMOKE_FILE = "smoke.json"
 # `m3run stop --grace S` writes a StopRequest here before signalling the supervisor; the
 # supervisor gives the worker min(S, supervisor.stop_grace_s) to save.
 STOP_REQUEST_FILE = "stop_request.json"
+# The run's tokenizer as a HF tokenizer.json, copied (or converted from tiktoken's gpt2) at the
+# first launch: generate and export need nothing outside the run dir.
+TOKENIZER_FILE = "tokenizer.json"
 # Per-rank files of a torchrun worker: every local rank heartbeats (rank 0 into heartbeat.json,
 # what status shows; the others beside it, watched for hangs), and each rank's protocol exit
 # code is recorded by the rank wrapper, since torchrun exits 1 whatever its ranks' codes were.
