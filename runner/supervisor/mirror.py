@@ -281,7 +281,7 @@ class Mirror:
         if existing == meta_bytes and self._remote_sizes_match(remote, meta):
             return False
         if existing is not None:
-            self._check_replace(step, existing, meta, replaceable)
+            self._check_replace(step, meta, replaceable)
             # The step was saved again locally: make the remote copy incomplete before any of
             # its files change, so no reader can pair the new meta with old data or vice versa.
             self.fs.rm_file(f"{remote}/{META_FILE}")
@@ -314,7 +314,7 @@ class Mirror:
         return True
 
     def _check_replace(
-        self, step: int, existing: bytes, meta: dict, replaceable: Collection[Identity] | None
+        self, step: int, meta: dict, replaceable: Collection[Identity] | None
     ) -> None:
         """MirrorConflict when the remote step holds a complete checkpoint other than the local
         one that `replaceable` does not list. An incomplete remote step is no checkpoint."""
