@@ -274,12 +274,14 @@ class CheckpointConfig(_Section):
     mirror_url: str | None = Field(
         None,
         description=(
-            "Object-storage copy of the run's checkpoints (fsspec URL: s3://bucket/prefix, "
-            "gs://bucket/prefix or file:///absolute/path; null = no mirror). The supervisor "
-            "uploads each complete checkpoint in the background (meta.json last), keeps the "
-            "newest keep_last there, and a launch into a run dir without a complete checkpoint "
-            "restores the newest one from it. Credentials and endpoints come from the "
-            "environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AWS_ENDPOINT_URL)."
+            "Object-storage copy of the run's checkpoints and history (fsspec URL: "
+            "s3://bucket/prefix, gs://bucket/prefix or file:///absolute/path; null = no "
+            "mirror). The launch checks that it can list and write there (exit 78 if not). The "
+            "supervisor uploads each complete checkpoint in the background (meta.json last) "
+            "with metrics, events, TensorBoard files and the config, keeps the newest keep_last "
+            "there, and at each launch resumes from the newest complete checkpoint, local or "
+            "mirrored, bringing the history back with it. Credentials and endpoints come from "
+            "the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AWS_ENDPOINT_URL)."
         ),
     )
     mirror_flush_s: float = Field(
@@ -287,8 +289,9 @@ class CheckpointConfig(_Section):
         ge=0,
         description=(
             "When the run ends (finished, stopped, preempted), seconds the supervisor waits for "
-            "the newest checkpoint to reach mirror_url before it exits; 0 = do not wait. Add it "
-            "to the container's stop timeout on top of supervisor.stop_grace_s."
+            "the newest checkpoint and the run's history to reach mirror_url before it exits "
+            "(failed uploads are retried with the supervisor's backoff meanwhile); 0 = do not "
+            "wait. Add it to the container's stop timeout on top of supervisor.stop_grace_s."
         ),
     )
 

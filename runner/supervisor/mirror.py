@@ -1,37 +1,47 @@
-"""Checkpoint mirror: a copy of the run's complete checkpoints in object storage, so a run can
-resume on a node whose local disk is new (spot preemption, a replaced node).
+"""Checkpoint mirror: a copy of the run's complete checkpoints and of its history in object
+storage, so a run can resume on a node whose local disk is new (spot preemption, a replaced node)
+and still read as one run there.
 
 Remote layout, the same as the run dir's::
 
     <mirror_url>/checkpoints/step_00004000/{model.safetensors, optim.pt, meta.json}
+    <mirror_url>/{config.yaml, metrics.jsonl, events.jsonl, tokenizer.json, tensorboard/…}
 
 ``mirror_url`` is any fsspec URL with a scheme in runner.config.MIRROR_SCHEMES: ``s3://`` (s3fs),
 ``gs://`` (gcsfs) or ``file://`` (a shared filesystem). fsspec imports the backend lazily; a
 missing one is a `MirrorError` that names the package. Credentials and endpoints come from the
 environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, …).
+The launch's probe (runner.supervisor.mirror_probe) lists the mirror and writes and deletes a
+small object, so a missing bucket or an unwritable mirror is named at launch instead of being
+read as an empty mirror.
 
 Upload protocol (one uploader per run, so one writer per remote prefix):
   1. if the remote step already holds a byte-identical meta.json (and the files it lists, at the
      recorded sizes), nothing is sent;
-  2. a remote meta.json that differs (the step was saved again) is deleted first, so the remote
-     step stops being complete before any of its files change;
-  3. model.safetensors and optim.pt are streamed up while being hashed; a digest that differs
+  2. a remote step that holds a different complete checkpoint (other sha256 digests) is replaced
+     only when the caller allows it (`replaceable`: the uploader allows only one found corrupt);
+     otherwise `MirrorConflict`, and nothing changes;
+  3. a remote meta.json that is replaced is deleted first, so the remote step stops being
+     complete before any of its files change;
+  4. model.safetensors and optim.pt are streamed up while being hashed; a digest that differs
      from meta.json (the local file changed or rotted) aborts the upload;
-  4. meta.json is written LAST. A remote checkpoint is complete only when meta.json parses and
+  5. meta.json is written LAST. A remote checkpoint is complete only when meta.json parses and
      both files are present at the sizes it records, so an upload cut at any instant leaves a
      remote checkpoint that restore skips.
 Remote retention keeps the newest ``keep_last`` complete checkpoints (deleting meta.json first)
-and removes incomplete step directories older than the newest complete one.
+and removes incomplete step directories older than the newest complete one; steps of another
+history (`apply_retention`'s ``others``) are never deleted and do not count.
 
-Restore (launch into a run dir with no complete checkpoint) downloads the newest complete remote
-checkpoint into ``checkpoints/.tmp-…`` (a name the worker's save cleans up if we are killed),
-checks both sha256 digests against meta.json, fsyncs, then renames it into place; a corrupt one
-is skipped for the next older.
+Restore downloads a complete remote checkpoint into ``checkpoints/.tmp-…`` (a name the worker's
+save cleans up if we are killed), checks both sha256 digests against meta.json, fsyncs, then
+renames it into place. Which one, and when, is runner.supervisor.mirror_reconcile's: at
+(re)start the newest complete checkpoint wins, local or mirrored.
 
 `MirrorUploader` (in runner.supervisor.mirror_upload) is the background thread the supervisor
-runs: it uploads the newest complete checkpoint whenever one appears, retries failures with
-exponential backoff, never raises, and records its progress in ``<run_dir>/mirror.json`` so
-`m3run status` can show the mirror's lag without touching the network (`read_lag`, here).
+runs: it uploads the newest complete checkpoint whenever one appears, and the run's history
+with it (runner.supervisor.mirror_history), retries failures with exponential backoff, never
+raises, and records its progress in ``<run_dir>/mirror.json`` so `m3run status` can show the
+mirror's lag without touching the network (`read_lag`, here).
 
 Torch-free: the supervisor imports this module.
 """
@@ -45,7 +55,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,11 +84,33 @@ _BLOCK = 8 << 20  # local read/write chunk
 # 5 GB checkpoint to ~80 requests).
 _PART = 64 << 20
 _BACKENDS = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+Identity = tuple[str, str]  # sha256 of (model.safetensors, optim.pt): what a checkpoint holds
 
 
 class MirrorError(RuntimeError):
     """The mirror cannot be used, or a transfer failed. The message names the URL, the problem
     and what to do."""
+
+
+class MirrorConflict(MirrorError):
+    """The mirror holds a different complete checkpoint of the step being uploaded (another
+    history's), which the uploader must not replace."""
+
+    def __init__(self, message: str, step: int, local: Identity, remote: Identity):
+        super().__init__(message)
+        self.step, self.local, self.remote = step, local, remote
+
+
+def identity(meta: dict) -> Identity:
+    """What a checkpoint holds, by its meta.json: two with the same digests are the same
+    checkpoint, whatever else their meta.json says (when it was saved)."""
+    files = meta["files"]
+    return files[DATA_FILES[0]]["sha256"], files[DATA_FILES[1]]["sha256"]
+
+
+def short(ident: Identity) -> str:
+    """An identity in a message: the digests' first 12 hex digits."""
+    return "/".join(d[:12] for d in ident)
 
 
 @dataclass
@@ -139,6 +171,7 @@ class Mirror:
                 "s3://bucket/prefix, gs://bucket/prefix or file:///absolute/path)"
             ) from e
         self.root = root.rstrip("/")
+        self.scheme = scheme
         self._local = "file" in (
             self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         )
@@ -156,14 +189,18 @@ class Mirror:
         """fsspec path (no protocol) of the remote directory of checkpoint `step`."""
         return f"{self._ckroot}/step_{step:08d}"
 
+    @property
+    def is_local(self) -> bool:
+        """A file:// mirror: directories exist and a rename is atomic."""
+        return self._local
+
     def list_remote(self) -> list[RemoteCheckpoint]:
         """Every remote step directory, sorted by step, incomplete ones with the reason. One
         listing request plus one read per meta.json; never hashes (downloads are verified)."""
         self.fs.invalidate_cache()
-        try:
-            found = self.fs.find(self._ckroot, detail=True)
-        except FileNotFoundError:
-            return []
+        # A missing prefix lists as empty; FileNotFoundError here is a missing bucket, which
+        # must never read as an empty mirror.
+        found = self.fs.find(self._ckroot, detail=True)
         sizes: dict[int, dict[str, int]] = {}
         prefix = self._ckroot.lstrip("/") + "/"
         for name, info in found.items():
@@ -214,11 +251,15 @@ class Mirror:
 
     # ----------------------------------------------------------------- upload
 
-    def upload_checkpoint(self, local_path: str | os.PathLike) -> bool:
+    def upload_checkpoint(
+        self, local_path: str | os.PathLike, replaceable: Collection[Identity] | None = None
+    ) -> bool:
         """Copy one complete local checkpoint directory to the mirror (protocol: module
         docstring). Returns False when the mirror already holds it byte for byte, True after an
-        upload. MirrorError if the local checkpoint is not complete or changed during the upload;
-        transport errors (OSError, the backend's own) propagate for the caller to retry."""
+        upload. A different complete checkpoint of the same step is replaced only if its
+        identity is in `replaceable` (None: any), else MirrorConflict. MirrorError if the local
+        checkpoint is not complete or changed during the upload; transport errors (OSError, the
+        backend's own) propagate for the caller to retry."""
         local = Path(local_path)
         try:
             meta_bytes = (local / META_FILE).read_bytes()
@@ -240,6 +281,7 @@ class Mirror:
         if existing == meta_bytes and self._remote_sizes_match(remote, meta):
             return False
         if existing is not None:
+            self._check_replace(step, meta, replaceable)
             # The step was saved again locally: make the remote copy incomplete before any of
             # its files change, so no reader can pair the new meta with old data or vice versa.
             self.fs.rm_file(f"{remote}/{META_FILE}")
@@ -248,12 +290,14 @@ class Mirror:
         for name in DATA_FILES:
             rec = meta["files"][name]
             try:
-                digest, size = self._send(local / name, f"{remote}/{name}")
+                src = open(local / name, "rb")  # noqa: SIM115 (closed by the with below)
             except FileNotFoundError as e:
                 raise MirrorError(
-                    f"cannot upload {local}: {name} vanished during the upload (a newer "
+                    f"cannot upload {local}: {name} vanished before its upload (a newer "
                     "checkpoint replaced it); the newest one is uploaded next"
                 ) from e
+            with src:
+                digest, size = self._send(src, f"{remote}/{name}")
             if digest != rec["sha256"] or size != rec["bytes"]:
                 raise MirrorError(
                     f"cannot upload {local}: {name} does not match {META_FILE} (sha256 "
@@ -268,6 +312,34 @@ class Mirror:
             )
         self.fs.pipe_file(f"{remote}/{META_FILE}", meta_bytes)  # LAST: completes the checkpoint
         return True
+
+    def _check_replace(
+        self, step: int, meta: dict, replaceable: Collection[Identity] | None
+    ) -> None:
+        """MirrorConflict when the remote step holds a complete checkpoint other than the local
+        one that `replaceable` does not list. An incomplete remote step is no checkpoint."""
+        info = self._remote_info(step, self._sizes(self.remote_path(step)))
+        if not info.complete or info.meta is None:
+            return
+        theirs, ours = identity(info.meta), identity(meta)
+        if theirs == ours or replaceable is None or theirs in replaceable:
+            return
+        raise MirrorConflict(
+            f"the mirror's step {step} ({self.url}) is another checkpoint than the run dir's "
+            f"step {step} (sha256 {short(theirs)} there, {short(ours)} here): the mirror's is "
+            f"kept, and the run dir's step {step} is not mirrored",
+            step,
+            ours,
+            theirs,
+        )
+
+    def _sizes(self, remote: str) -> dict[str, int]:
+        sizes = {}
+        self.fs.invalidate_cache(remote)
+        for name in (*DATA_FILES, META_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                sizes[name] = int(self.fs.size(f"{remote}/{name}") or 0)
+        return sizes
 
     def _remote_meta(self, remote: str) -> bytes | None:
         try:
@@ -286,36 +358,39 @@ class Mirror:
                 return False
         return True
 
-    def _send(self, src: Path, dst: str) -> tuple[str, int]:
-        """Stream a local file to the mirror; (sha256, bytes) of exactly what was sent."""
+    def _send(self, f: Any, dst: str) -> tuple[str, int]:
+        """Stream an open local file to the mirror; (sha256, bytes) of exactly what was sent.
+        Errors are the mirror's own (the local file is open already)."""
         h, n = hashlib.sha256(), 0
-        with open(src, "rb") as f:
-            try:
-                with self.fs.open(dst, "wb", block_size=_PART) as out:
-                    while block := f.read(_BLOCK):
-                        h.update(block)
-                        out.write(block)
-                        n += len(block)
-            except BaseException:
-                # meta.json is not there, so this file is already ignored; tidy up if we can.
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(dst)
-                raise
+        try:
+            with self.fs.open(dst, "wb", block_size=_PART) as out:
+                while block := f.read(_BLOCK):
+                    h.update(block)
+                    out.write(block)
+                    n += len(block)
+        except BaseException:
+            # meta.json is not there, so this file is already ignored; tidy up if we can.
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(dst)
+            raise
         return h.hexdigest(), n
 
     # ----------------------------------------------------------------- retention
 
-    def apply_retention(self, keep_last: int, protect: Iterable[int] = ()) -> list[int]:
+    def apply_retention(
+        self, keep_last: int, protect: Iterable[int] = (), others: Iterable[int] = ()
+    ) -> list[int]:
         """Delete remote complete checkpoints beyond the newest `keep_last`, and incomplete step
-        directories older than the newest complete one, never a step in `protect`. meta.json
-        goes first, so a deletion cut short leaves an incomplete (ignored) directory. Returns
-        the deleted steps."""
+        directories older than the newest complete one, never a step in `protect`. Steps in
+        `others` (another history's, newer than where the run resumed) are never deleted and
+        do not count. meta.json goes first, so a deletion cut short leaves an incomplete
+        (ignored) directory. Returns the deleted steps."""
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(
                 f"keep_last must be an int >= 1, got {keep_last!r} (fix: pass checkpoint.keep_last)"
             )
-        protect = set(protect)
-        infos = self.list_remote()
+        protect, others = set(protect), set(others)
+        infos = [c for c in self.list_remote() if c.step not in others]
         complete = [c for c in infos if c.complete]
         if not complete:
             return []
@@ -366,14 +441,17 @@ class Mirror:
         candidates = [c for c in self.list_remote() if c.complete]
         for c in reversed(candidates):
             try:
-                self._download(c, run_dir)
-            except _CorruptRemote as e:
+                self.download(c, run_dir)
+            except CorruptRemote as e:
                 log.warning("mirror checkpoint %s is corrupt, trying an older one: %s", c.path, e)
                 continue
             return c.step
         return None
 
-    def _download(self, c: RemoteCheckpoint, run_dir: Path) -> Path:
+    def download(self, c: RemoteCheckpoint, run_dir: Path) -> Path:
+        """Restore remote checkpoint `c` into `run_dir` (verified, then renamed into place over
+        a local copy of the same step). CorruptRemote when its bytes do not match its meta.json;
+        transport and local write errors propagate."""
         assert c.meta is not None and c.meta_bytes is not None
         final = checkpoint_dir(run_dir, c.step)
         root = final.parent
@@ -385,7 +463,7 @@ class Mirror:
                 rec = c.meta["files"][name]
                 digest, size = self._fetch(f"{c.path}/{name}", tmp / name)
                 if digest != rec["sha256"] or size != rec["bytes"]:
-                    raise _CorruptRemote(
+                    raise CorruptRemote(
                         f"{name}: sha256 {digest[:12]}…, {size} bytes; {META_FILE} records "
                         f"{rec['sha256'][:12]}…, {rec['bytes']} bytes"
                     )
@@ -396,7 +474,7 @@ class Mirror:
             fsync_path(tmp, directory=True)
             ok, reason = verify_checkpoint(tmp, full=False)
             if not ok:
-                raise _CorruptRemote(str(reason))
+                raise CorruptRemote(str(reason))
             if final.exists():  # a torn local copy of the same step
                 aside = root / f"{DEL_PREFIX}{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
                 os.rename(final, aside)
@@ -431,7 +509,7 @@ class Mirror:
         return _lag(self.url, Path(run_dir), remote.step if remote else None, saved, state, now)
 
 
-class _CorruptRemote(Exception):
+class CorruptRemote(MirrorError):
     """A remote checkpoint whose bytes do not match its meta.json."""
 
 

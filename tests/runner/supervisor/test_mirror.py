@@ -6,16 +6,15 @@ mirror_url config check, and a preempt → empty run dir → restore → exact r
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
+from helpers.s3_server import CREDENTIALS, FAST_FAIL, S3, boto_credentials, free_port
 from safetensors.torch import load_file
 
 from m3run.runner.checkpoint.io import save_checkpoint
@@ -33,55 +32,6 @@ from m3run.runner.supervisor.mirror_upload import MirrorUploader
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "NO_PROXY": "127.0.0.1",
-}
-# Fail fast against a dead endpoint: one attempt per call, short connect timeout (the
-# uploader's own backoff is what is under test, not botocore's).
-FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class S3:
-    """A moto S3 server on 127.0.0.1 and the environment that points s3fs at it."""
-
-    def __init__(self, port: int = 0):
-        self.server = moto_server.ThreadedMotoServer(
-            ip_address="127.0.0.1", port=port, verbose=False
-        )
-        self.server.start()
-        host, port = self.server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        self.env = {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
-
-    def bucket(self) -> str:
-        import boto3
-
-        name = f"m3-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=self.endpoint, **_boto_credentials()).create_bucket(
-            Bucket=name
-        )
-        return name
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def _boto_credentials() -> dict:
-    return {
-        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +159,7 @@ def test_empty_mirror_restores_nothing(mirror, tmp_path):
 
 
 def test_unreachable_mirror_at_restore_is_an_error_naming_the_url(tmp_path):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CREDENTIALS.items():
             mp.setenv(k, v)
@@ -245,7 +195,7 @@ def _wait_for(predicate, timeout: float = 30.0):
 
 
 def test_uploader_retries_with_backoff_until_the_mirror_comes_back(tmp_path):
-    port = _free_port()
+    port = free_port()
     run = tmp_path / "run"
     fake_save(run, 5)
     with pytest.MonkeyPatch.context() as mp:
@@ -280,7 +230,7 @@ def test_uploader_retries_with_backoff_until_the_mirror_comes_back(tmp_path):
                 import boto3
 
                 boto3.client(
-                    "s3", endpoint_url=server.endpoint, **_boto_credentials()
+                    "s3", endpoint_url=server.endpoint, **boto_credentials()
                 ).create_bucket(Bucket="late")
                 up.notify()
                 assert up.flush(30.0) is True
@@ -435,7 +385,11 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
 
     out_ref = ref.communicate(timeout=180)[0].decode()
     assert ref.returncode == 0, out_ref
-    ref_losses, after = _losses(tmp_path / "ref"), _losses(node2)
+    # node2's metrics.jsonl holds node1's steps too (the history came back with the
+    # checkpoint); the steps after the restore are node2's own, its records written last.
+    ref_losses, history = _losses(tmp_path / "ref"), _losses(node2)
+    after = {s: v for s, v in history.items() if s > saved}
+    assert sorted(history) == list(range(1, 81))
     assert sorted(after) == list(range(saved + 1, 81))
     assert after == {s: ref_losses[s] for s in after}  # bitwise: float equality
     a = load_file(str(latest_complete(node2).path / "model.safetensors"))
