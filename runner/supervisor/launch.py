@@ -159,10 +159,12 @@ def _complete_steps(run_dir: Path) -> list[int]:
     return [c.step for c in list_checkpoints(run_dir, verify=False) if c.complete]
 
 
-def check_resume_step(run_dir: Path, resume: str) -> None:
+def check_resume_step(run_dir: Path, resume: str, mirrored: bool = False) -> None:
     """--resume STEP names a complete checkpoint of this run dir: found before anything
-    starts, so a typo neither starts a worker nor marks the run failed."""
-    if not resume.isdigit():
+    starts, so a typo neither starts a worker nor marks the run failed. With a checkpoint
+    mirror (`mirrored`) a step the run dir lacks may be the mirror's: the supervisor restores
+    it, or refuses naming both places, at its start."""
+    if not resume.isdigit() or mirrored:
         return
     steps = _complete_steps(run_dir)
     if int(resume) in steps:
@@ -358,8 +360,8 @@ def launch(opts: LaunchOptions) -> int:
         return _refused(e, opts.messages())
     sup = None
     try:
-        check_resume_step(opts.run_dir, resume)
         cfg, chash = freeze_config(opts)
+        check_resume_step(opts.run_dir, resume, mirrored=cfg.checkpoint.mirror_url is not None)
         done = finished_message(cfg, opts, resume)
         if done is not None:
             opts.messages().info(done, event="finished")

@@ -68,7 +68,6 @@ from m3run.runner.checkpoint.layout import (
     CheckpointError,
     CheckpointInfo,
     checkpoint_dir,
-    latest_complete,
     list_checkpoints,
     step_of_dirname,
     verify_checkpoint,
@@ -407,46 +406,6 @@ class Mirror:
         return deleted
 
     # ----------------------------------------------------------------- restore
-
-    def restore_latest(
-        self, run_dir: str | os.PathLike, attempts: int = 3, backoff_s: float = 1.0
-    ) -> int | None:
-        """If `run_dir` has no complete checkpoint, download the newest complete remote one
-        (verified against its sha256 digests; a corrupt one is skipped for the next older) and
-        return its step. None when the run dir already has a complete checkpoint or the mirror
-        has none. Transport errors are retried `attempts` times, then raised as MirrorError."""
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if latest_complete(run_dir) is not None:
-            return None
-        last: Exception | None = None
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(backoff_s * 2 ** (attempt - 1))
-            try:
-                return self._restore_newest(run_dir)
-            except MirrorError:
-                raise
-            except Exception as e:  # the backend's transport errors have no common base
-                last = e
-                log.warning("mirror restore attempt %d/%d failed: %s", attempt + 1, attempts, e)
-        raise MirrorError(
-            f"could not read the checkpoint mirror {self.url} after {attempts} attempts: "
-            f"{type(last).__name__}: {last} (fix: check the URL, the credentials and the "
-            "endpoint in the environment, e.g. AWS_ENDPOINT_URL; or set "
-            "checkpoint.mirror_url=null to start without it)"
-        ) from last
-
-    def _restore_newest(self, run_dir: Path) -> int | None:
-        candidates = [c for c in self.list_remote() if c.complete]
-        for c in reversed(candidates):
-            try:
-                self.download(c, run_dir)
-            except CorruptRemote as e:
-                log.warning("mirror checkpoint %s is corrupt, trying an older one: %s", c.path, e)
-                continue
-            return c.step
-        return None
 
     def download(self, c: RemoteCheckpoint, run_dir: Path) -> Path:
         """Restore remote checkpoint `c` into `run_dir` (verified, then renamed into place over

@@ -134,6 +134,12 @@ def reconcile(
     elif resume.isdigit():
         step = int(resume)
         wanted = [c for c in complete if c.step == step]
+        if step not in local and not wanted:
+            raise MirrorError(
+                f"--resume {step}: neither {run_dir} nor the mirror {mirror.url} holds a "
+                f"complete checkpoint at step {step} (fix: --resume latest, or a step that "
+                "`m3run checkpoints` lists)"
+            )
         if step not in local and wanted:
             why = f"--resume {step} names a checkpoint only the mirror ({mirror.url}) holds"
             if restore(wanted[0], why, "resume from another step"):

@@ -28,6 +28,8 @@ from m3run.runner.config import ConfigError, load_config
 from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import EXIT_STOPPED
 from m3run.runner.supervisor.mirror import MIRROR_FILE, Mirror, MirrorError, read_lag
+from m3run.runner.supervisor.mirror_probe import probe
+from m3run.runner.supervisor.mirror_reconcile import reconcile
 from m3run.runner.supervisor.mirror_upload import MirrorUploader
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
@@ -47,6 +49,11 @@ def s3():
 @pytest.fixture
 def mirror(s3) -> Mirror:
     return Mirror(f"s3://{s3.bucket()}/runs/test")
+
+
+def restore(m: Mirror, run_dir: Path) -> int | None:
+    """What a supervisor starting on `run_dir` with --resume latest restores: the step, or None."""
+    return reconcile(m, run_dir, "latest", probe(m), lambda *a, **k: None).restored
 
 
 def fake_save(run_dir: Path, step: int, value: float = 0.0) -> Path:
@@ -84,14 +91,14 @@ def test_upload_then_restore_into_an_empty_run_dir(scheme, s3, tmp_path):
     assert [(c.step, c.complete) for c in m.list_remote()] == [(10, True)]
 
     dst = tmp_path / "dst"
-    assert m.restore_latest(dst) == 10
+    assert restore(m, dst) == 10
     restored = checkpoint_dir(dst, 10)
     assert verify_checkpoint(restored, full=True) == (True, None)
     for name in ("model.safetensors", "optim.pt", "meta.json"):
         assert (restored / name).read_bytes() == (newest / name).read_bytes()
     assert [p.name for p in (dst / "checkpoints").iterdir()] == ["step_00000010"]  # no tmp left
     # A run dir that already has a complete checkpoint is never touched.
-    assert m.restore_latest(src) is None
+    assert restore(m, src) is None
 
 
 def test_a_resaved_step_makes_the_remote_copy_incomplete_first_then_replaces_it(mirror, tmp_path):
@@ -104,7 +111,7 @@ def test_a_resaved_step_makes_the_remote_copy_incomplete_first_then_replaces_it(
     assert mirror.upload_checkpoint(second) is True
     (remote,) = mirror.list_remote()
     assert remote.complete and remote.meta_bytes == (second / "meta.json").read_bytes()
-    assert mirror.restore_latest(tmp_path / "fresh") == 10
+    assert restore(mirror, tmp_path / "fresh") == 10
     got = load_file(str(checkpoint_dir(tmp_path / "fresh", 10) / "model.safetensors"))
     assert torch.equal(got["w"], torch.full((64, 64), 12.0))
 
@@ -124,7 +131,7 @@ def test_an_interrupted_upload_is_never_complete_remotely(mirror, tmp_path):
     infos = {c.step: c for c in mirror.list_remote()}
     assert infos[5].complete
     assert 10 not in infos or not infos[10].complete
-    assert mirror.restore_latest(tmp_path / "fresh") == 5
+    assert restore(mirror, tmp_path / "fresh") == 5
 
 
 def test_restore_skips_a_corrupt_remote_checkpoint_for_the_next_older(mirror, tmp_path):
@@ -136,7 +143,7 @@ def test_restore_skips_a_corrupt_remote_checkpoint_for_the_next_older(mirror, tm
     rotten[-3] ^= 0x55  # same size, so only the hash can tell
     mirror.fs.pipe_file(target, bytes(rotten))
     fresh = tmp_path / "fresh"
-    assert mirror.restore_latest(fresh) == 5
+    assert restore(mirror, fresh) == 5
     assert [i.step for i in list_checkpoints(fresh)] == [5]
     assert not any(p.name.startswith(".tmp-") for p in (fresh / "checkpoints").iterdir())
 
@@ -154,11 +161,11 @@ def test_remote_retention_keeps_the_newest_keep_last(mirror, tmp_path):
 
 
 def test_empty_mirror_restores_nothing(mirror, tmp_path):
-    assert mirror.restore_latest(tmp_path / "fresh") is None
+    assert restore(mirror, tmp_path / "fresh") is None
     assert mirror.lag(tmp_path / "fresh")["remote_step"] is None
 
 
-def test_unreachable_mirror_at_restore_is_an_error_naming_the_url(tmp_path):
+def test_unreachable_mirror_at_start_is_an_error_naming_the_url(tmp_path):
     port = free_port()  # nothing listens there
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CREDENTIALS.items():
@@ -166,7 +173,7 @@ def test_unreachable_mirror_at_restore_is_an_error_naming_the_url(tmp_path):
         mp.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
         m = Mirror("s3://nobody/run", storage_options=FAST_FAIL)
         with pytest.raises(MirrorError) as e:
-            m.restore_latest(tmp_path / "fresh", attempts=2, backoff_s=0.1)
+            probe(m, attempts=2, backoff_s=0.1)
     assert "s3://nobody/run" in str(e.value) and "AWS_ENDPOINT_URL" in str(e.value)
 
 
@@ -397,3 +404,17 @@ def test_preempted_launch_resumes_exactly_on_a_new_disk_from_the_mirror(s3, corp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The finished run's last checkpoint reached the mirror too.
     assert [c.step for c in Mirror(url).list_remote() if c.complete][-1] == 80
+
+
+def test_resume_of_a_step_neither_the_run_dir_nor_the_mirror_holds_is_refused(tmp_path):
+    """With a mirror, launch leaves `--resume STEP` to the supervisor's start, which restores a
+    step only the mirror holds and refuses one that nobody holds, naming both places."""
+    m = Mirror(f"file://{tmp_path / 'mirror'}")
+    run = tmp_path / "run"
+    m.upload_checkpoint(fake_save(run, 5))
+    fresh = tmp_path / "fresh"
+    events: list[str] = []
+    found = reconcile(m, fresh, "5", probe(m), lambda event, **k: events.append(event))
+    assert (found.restored, events) == (5, ["mirror_restore"])
+    with pytest.raises(MirrorError, match=r"--resume 7: neither .* nor the mirror file://"):
+        reconcile(m, fresh, "7", probe(m), lambda *a, **k: None)
