@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m3run.runner.checkpoint.layout import list_checkpoints
+from m3run.runner.checkpoint.layout import list_checkpoints, verify_checkpoint
 from m3run.runner.config import (
     ConfigError,
     check_config_file,
@@ -182,10 +182,15 @@ def finished_message(cfg: Any, opts: LaunchOptions, resume: str) -> str | None:
     train.total_steps: how to train it longer. None when there is something to train."""
     if resume != "latest":
         return None
-    steps = _complete_steps(opts.run_dir)
+    complete = [c for c in list_checkpoints(opts.run_dir, verify=False) if c.complete]
     total = cfg.train.total_steps
-    if not steps or steps[-1] < total:
+    if not complete or complete[-1].step < total:
         return None
+    # Its digests too: a final checkpoint that rotted is for the worker to pass over (it
+    # resumes from the one before and trains the last steps again), not a finished run.
+    if not verify_checkpoint(complete[-1].path, full=True)[0]:
+        return None
+    steps = [c.step for c in complete]
     return (
         f"{opts.run_dir} is finished: its checkpoint at step {steps[-1]} is the last of "
         f"train.total_steps={total}, so there is nothing to train. To train it longer: "
