@@ -182,6 +182,8 @@ def finished_message(cfg: Any, opts: LaunchOptions, resume: str) -> str | None:
     train.total_steps: how to train it longer. None when there is something to train."""
     if resume != "latest":
         return None
+    if lock_holder(opts.run_dir / WORKER_LOCK_FILE) is not None:
+        return None  # an orphaned worker trains on: the supervisor stops it first
     complete = [c for c in list_checkpoints(opts.run_dir, verify=False) if c.complete]
     total = cfg.train.total_steps
     if not complete or complete[-1].step < total:
