@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from m3run.runner.files import read_json
 from m3run.runner.health.checks import Verdict
+from m3run.runner.kills import ExitWitness
 from m3run.runner.procs import LogTail, signal_group, spawn_logged
 from m3run.runner.protocol import (
     EXIT_CONFIG,
@@ -285,13 +286,16 @@ class SmokeTest:
             env={**env, "PYTHONUNBUFFERED": "1"},
             header="m3run supervisor: preflight smoke test",
         )
+        witness = ExitWitness(proc.pid)
         tail = LogTail(log_path, offset)
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:
+            witness.sample()
             for line in tail.lines():
                 echo(line)
             tick()
             if stop_requested() or time.monotonic() > deadline:
+                witness.close()
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 if stop_requested():
@@ -303,11 +307,11 @@ class SmokeTest:
             time.sleep(poll_s)
         for line in tail.lines(final=True):
             echo(line)
+        how = witness.describe(proc.returncode)
         result = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE))
         if result is None:
             return False, (
-                f"the smoke process exited {proc.returncode} without a verdict; see "
-                f"the end of {log_path}"
+                f"the smoke process ended without a verdict ({how}); see the end of {log_path}"
             )
         return result.ok, result.message
 
