@@ -147,10 +147,13 @@ class GpuWatch:
             str(d.get("uuid")) for d in (gate.details or {}).get("devices") or [] if d.get("uuid")
         )
         self.device_key = ",".join(uuids) if uuids else f"host:{socket.gethostname()}"
+        reason, level = gate.summary, "warning" if gate.verdict == Verdict.WARN else "info"
+        if gate.verdict == Verdict.NO_GPU:
+            reason, level = _without_gpu(gate.summary, self.s.train_device)
         self.log.emit(
             "health",
-            reason=gate.summary,
-            level="warning" if gate.verdict == Verdict.WARN else "info",
+            reason=reason,
+            level=level,
             verdict=gate.verdict,
             when=when,
             health=gate.details,
@@ -190,6 +193,18 @@ class GpuWatch:
                 reason=f"waited {waited:.1f}s for pid {pid}'s GPU memory to be released",
                 pid=pid,
             )
+
+
+def _without_gpu(summary: str, device: str) -> tuple[str, str]:
+    """The gate's line and level on a host without a GPU, for the device the run asks for."""
+    if device == "cuda":
+        return (
+            f"{summary}\n  train.device=cuda asks for a CUDA GPU, so the run cannot train here "
+            "(fix: give the host or container a GPU, e.g. `docker run --gpus all`, or set "
+            "train.device=cpu or auto)",
+            "warning",
+        )
+    return f"{summary}\n  the run trains on CPU (train.device={device})", "info"
 
 
 @dataclass(frozen=True)
