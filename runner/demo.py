@@ -9,12 +9,14 @@ on CPU, from any working directory, with m3run installed or from a checkout.
    next.
 
 The recipe is the one the package carries (`m3run.configs`, the repository's configs/), so an
-installed m3run (the container image) runs the demo without a checkout. Run it again and the
-launch resumes from the last checkpoint (a finished run stays finished).
+installed m3run (the container image) runs the demo without a checkout. `--set KEY=VALUE`
+(repeatable) goes on to the launch: `--set train.total_steps=20` makes a shorter demo. Run it
+again and the launch resumes from the last checkpoint (a finished run stays finished).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -79,7 +81,21 @@ def _shown(path: Path) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m m3run.runner.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the launch, e.g. train.total_steps=20 (repeatable)",
+    )
+    args = parser.parse_args(argv)
     if not (DATA / "train" / "manifest.json").exists():
         code = m3run(
             "prepare-data",
@@ -105,6 +121,7 @@ def main() -> int:
         f"data.train_path={data / 'train'}",
         "--set",
         f"data.val_path={data / 'val'}",
+        *(arg for kv in args.overrides for arg in ("--set", kv)),
     )
     m3run("status", str(RUN))
     if code == 0:
