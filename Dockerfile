@@ -12,7 +12,7 @@
 #   docker.io/pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 # (to move on: `docker buildx imagetools inspect pytorch/pytorch:<tag>` prints the new digest).
 # Podman and buildah need `--format docker`: the OCI format has no SHELL or HEALTHCHECK, and
-# drops the health check silently (docker/README.md).
+# they ignore both with one warning line in the build's output (docker/README.md).
 ARG BASE_IMAGE=docker.io/pytorch/pytorch@sha256:eee11b3b3872a8c838e35ef48f08b2d5def2080902c7f666831310ca1a0ef2be
 FROM ${BASE_IMAGE}
 
@@ -50,7 +50,7 @@ RUN if getent passwd 1000 >/dev/null; then userdel --remove "$(getent passwd 100
 ARG REQUIRE_CUDA=true
 COPY pyproject.toml docker/project_requirements.py /tmp/m3run-deps/
 RUN case "$REQUIRE_CUDA" in \
-        true) python -c "import torch, triton; assert torch.version.cuda, 'the base image torch is not a CUDA build (BASE_IMAGE)'" ;; \
+        true) python -c "import importlib.util as u, torch; assert torch.version.cuda, f'the base image torch {torch.__version__} is not a CUDA build: use a CUDA PyTorch BASE_IMAGE'; assert u.find_spec('triton'), 'the base image has no Triton: use a PyTorch BASE_IMAGE that ships it'" ;; \
         false) python -c "import torch" ;; \
         *) echo "REQUIRE_CUDA must be true or false, got '$REQUIRE_CUDA'" >&2; exit 1 ;; \
     esac \
