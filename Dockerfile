@@ -7,10 +7,13 @@
 #
 # BASE_IMAGE: any pytorch/pytorch *-runtime tag (or an NGC PyTorch image) with torch >= 2.11
 # works; the build fails if its torch is not a CUDA build or has no Triton. The default is pinned
-# by digest, so a rebuild gets the same base even after the tag is moved. It is the tag
-#   pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+# by digest, so a rebuild gets the same base even after the tag is moved, and fully qualified, so
+# podman and buildah (which refuse unqualified short names) build it as Docker does. It is the tag
+#   docker.io/pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 # (to move on: `docker buildx imagetools inspect pytorch/pytorch:<tag>` prints the new digest).
-ARG BASE_IMAGE=pytorch/pytorch@sha256:eee11b3b3872a8c838e35ef48f08b2d5def2080902c7f666831310ca1a0ef2be
+# Podman and buildah need `--format docker`: the OCI format has no SHELL or HEALTHCHECK, and
+# they ignore both with one warning line in the build's output (docker/README.md).
+ARG BASE_IMAGE=docker.io/pytorch/pytorch@sha256:eee11b3b3872a8c838e35ef48f08b2d5def2080902c7f666831310ca1a0ef2be
 FROM ${BASE_IMAGE}
 
 # A failing command on the left of a pipe fails the build.
@@ -38,10 +41,20 @@ RUN if getent passwd 1000 >/dev/null; then userdel --remove "$(getent passwd 100
 
 # Dependencies first, from pyproject.toml alone: a change to the code reuses this layer and only
 # the layer below reinstalls. The constraint pins torch to the base image's own build, so pip
-# fails instead of replacing it with a PyPI wheel. Extras: mirror (s3fs/gcsfs for
-# checkpoint.mirror_url), wandb and tensorboard (the metric trackers).
+# fails instead of replacing it with a PyPI wheel. It is the installed distribution's version
+# (its metadata, as pip sees it), not torch.__version__: a torch installed from PyPI reports
+# 2.x.y+cu130 there, a local version pip cannot find, while its metadata says 2.x.y. Extras:
+# mirror (s3fs/gcsfs for checkpoint.mirror_url), wandb and tensorboard (the metric trackers).
+# REQUIRE_CUDA=false accepts a base whose torch is a CPU build without Triton: for the image
+# test on a machine without a GPU (docker/test-image), never for an image that trains.
+ARG REQUIRE_CUDA=true
 COPY pyproject.toml docker/project_requirements.py /tmp/m3run-deps/
-RUN python -c "import torch, triton; print(f'torch=={torch.__version__}')" > /tmp/keep-torch.txt \
+RUN case "$REQUIRE_CUDA" in \
+        true) python -c "import importlib.util as u, torch; assert torch.version.cuda, f'the base image torch {torch.__version__} is not a CUDA build: use a CUDA PyTorch BASE_IMAGE'; assert u.find_spec('triton'), 'the base image has no Triton: use a PyTorch BASE_IMAGE that ships it'" ;; \
+        false) python -c "import torch" ;; \
+        *) echo "REQUIRE_CUDA must be true or false, got '$REQUIRE_CUDA'" >&2; exit 1 ;; \
+    esac \
+ && python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > /tmp/keep-torch.txt \
  && python /tmp/m3run-deps/project_requirements.py /tmp/m3run-deps/pyproject.toml \
         mirror wandb tensorboard > /tmp/m3run-deps/requirements.txt \
  && pip install --no-cache-dir --constraint /tmp/keep-torch.txt \
@@ -52,7 +65,7 @@ RUN python -c "import torch, triton; print(f'torch=={torch.__version__}')" > /tm
 COPY . /tmp/m3run-src
 RUN pip install --no-cache-dir --constraint /tmp/keep-torch.txt \
         "/tmp/m3run-src[mirror,wandb,tensorboard]" \
- && python -c "import torch, triton, m3run.runner.cli; assert torch.version.cuda, 'base image torch is not a CUDA build'" \
+ && python -c "import m3run.runner.cli, m3run.model" \
  && cp -r /tmp/m3run-src/configs /opt/m3run/configs \
  && install -m 0755 /tmp/m3run-src/docker/entrypoint /usr/local/bin/m3run-entrypoint \
  && install -m 0755 /tmp/m3run-src/docker/prepare-a100-data /usr/local/bin/m3run-prepare-a100-data \

@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.m3run-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench image-test clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ lint: install
 
 bench: install
 	$(PY) bench/kernels/bench_scan.py
+
+# Builds the image from a CPU base and runs the demo in it with real signals (docker/README.md,
+# "The image test"): needs podman or a Docker engine and root; not part of `test`.
+# IMAGE_TEST_ARGS passes options on, e.g. IMAGE_TEST_ARGS='--base localhost/my-base'.
+image-test:
+	docker/test-image $(IMAGE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

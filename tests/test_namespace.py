@@ -21,6 +21,7 @@ FOLDERS = ("model", "kernels", "runner")
 def _tree_files() -> set[str]:
     """Every file the wheel must carry, as its path inside the wheel."""
     files = {"m3run/__init__.py", "m3run/kernels/mamba3/README.md"}
+    files |= {f"m3run/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     for folder in FOLDERS:
         for path in (REPO / folder).rglob("*.py"):
             if "__pycache__" not in path.parts:
@@ -33,7 +34,7 @@ def test_the_wheel_holds_m3run_alone_with_every_module_of_the_tree(tmp_path):
     # Built from a copy: setuptools writes its build/ folder beside the sources.
     src = tmp_path / "src"
     junk = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in ("m3run", *FOLDERS):
+    for name in ("m3run", "configs", *FOLDERS):
         shutil.copytree(REPO / name, src / name, ignore=junk)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
@@ -82,6 +83,11 @@ def test_the_wheel_holds_m3run_alone_with_every_module_of_the_tree(tmp_path):
     assert Path(where.stdout.strip()).parent == site / "m3run"
     shown = subprocess.run([sys.executable, "-m", "m3run.runner.cli", "--help"], **run)
     assert shown.returncode == 0 and "launch" in shown.stdout, shown.stderr
+    # The demo finds its recipe in the install, with no checkout (the container image).
+    code = "from m3run.runner.demo import demo_config; print(demo_config())"
+    recipe = subprocess.run([sys.executable, "-c", code], **run)
+    assert recipe.returncode == 0, recipe.stderr
+    assert Path(recipe.stdout.strip()) == site / "m3run" / "configs" / "demo_cpu.yaml"
 
 
 def _shadowing_dir(root: Path) -> Path:

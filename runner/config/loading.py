@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,11 +31,18 @@ MAX_CONFIG_DEPTH = 32
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML run config, apply `section.key=value` overrides, validate.
 
+    The data paths (data.train_path, data.val_path, data.sources[].path) come back absolute: a
+    relative one written in the file is relative to the file's folder, one given by an
+    override to the working directory. So a recipe works from any directory, and the config a
+    launch freezes into its run dir means the same wherever the worker, `export` or a relaunch
+    reads it.
+
     Raises ConfigError (a ValueError) for a missing or unreadable file, bad YAML, a malformed
     override, or any invalid value, with one line per problem.
     """
     path = Path(path)
-    return parse_config(_read_text(path), overrides, source=str(path))
+    raw = _anchor_data_paths(_parse_yaml(_read_text(path), str(path)), path.absolute().parent)
+    return _validate(raw, overrides, str(path), anchor=Path.cwd())
 
 
 def _read_text(path: Path) -> str:
@@ -166,9 +174,11 @@ def _same(value, legacy: bool | str) -> bool:
 
 def load_frozen_config(path: str | Path) -> RunConfig:
     """A run dir's frozen config.yaml: like `load_config`, and each LEGACY_VALUES key the file
-    lacks (it was frozen before the key existed) reads at its legacy value."""
+    lacks (it was frozen before the key existed) reads at its legacy value. A relative data
+    path in it was frozen before paths were made absolute, when it meant the launch's working
+    directory: it is read so, and a relaunch from there finds the same config."""
     path = Path(path)
-    raw = _parse_yaml(_read_text(path), str(path))
+    raw = _anchor_data_paths(_parse_yaml(_read_text(path), str(path)), Path.cwd())
     for key, value in LEGACY_VALUES.items():
         section, name = key.split(".")
         part = raw.get(section)
@@ -191,10 +201,15 @@ def keep_legacy_values(cfg: RunConfig, frozen: RunConfig) -> RunConfig:
     return apply_overrides(cfg, kept) if kept else cfg
 
 
-def _validate(raw: dict, overrides: Sequence[str], source: str) -> RunConfig:
+def _validate(
+    raw: dict, overrides: Sequence[str], source: str, anchor: Path | None = None
+) -> RunConfig:
+    """`anchor`: the folder that relative data paths given by `overrides` are relative to."""
     if isinstance(overrides, str):  # a lone string would otherwise be split into characters
         overrides = [overrides]
     raw = _apply_raw_overrides(raw, overrides)
+    if anchor is not None:
+        raw = _anchor_data_paths(raw, anchor)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
@@ -204,6 +219,36 @@ def _validate(raw: dict, overrides: Sequence[str], source: str) -> RunConfig:
         raise ConfigError(
             f"invalid config {where}:\n" + "\n".join(f"  - {ln}" for ln in lines)
         ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data paths
+
+
+def _anchor_data_paths(raw: dict, base: Path) -> dict:
+    """`raw` with each relative data path joined to `base` (`~` expanded first). Values of the
+    wrong type are left for validation to name."""
+    data = raw.get("data")
+    if not isinstance(data, Mapping):
+        return raw
+    data = dict(data)
+    for key in ("train_path", "val_path"):
+        if key in data:
+            data[key] = _anchored(data[key], base)
+    if isinstance(data.get("sources"), list):
+        data["sources"] = [
+            {**s, "path": _anchored(s["path"], base)}
+            if isinstance(s, Mapping) and "path" in s
+            else s
+            for s in data["sources"]
+        ]
+    return {**raw, "data": data}
+
+
+def _anchored(value: Any, base: Path) -> Any:
+    if not isinstance(value, str) or not value:
+        return value
+    return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 
 # ---------------------------------------------------------------------------------------------

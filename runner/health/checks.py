@@ -49,7 +49,7 @@ class Verdict(StrEnum):
     HEALTHY = "healthy"
     WARN = "warn"  # run, but look: hot, throttled, a non-critical XID
     UNHEALTHY = "unhealthy"  # do not run here: exit EXIT_UNAVAILABLE, replace the node
-    NO_GPU = "no_gpu"  # no NVIDIA driver or no devices: the run proceeds on CPU
+    NO_GPU = "no_gpu"  # no NVIDIA driver or no devices: a run here trains on CPU, if it may
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def nvml_unavailable(doc: dict[str, Any]) -> Finding:
                 f"{problem}, yet NVIDIA device nodes exist ({', '.join(nodes)}); the GPU is "
                 f"not health-checked. Fix: `pip install nvidia-ml-py`.",
             )
-        return Finding(None, "nvml", "info", f"no GPU: {problem}; the run proceeds on CPU")
+        return Finding(None, "nvml", "info", f"no GPU: {problem}")
     err = doc["init_error"]
     if nodes:
         return Finding(
@@ -116,7 +116,7 @@ def nvml_unavailable(doc: dict[str, Any]) -> Finding:
         None,
         "nvml",
         "info",
-        f"no GPU: NVML is unavailable ('{err['error']}'); the run proceeds on CPU",
+        f"no GPU: NVML is unavailable ('{err['error']}')",
     )
 
 

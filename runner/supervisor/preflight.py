@@ -20,6 +20,7 @@ from m3run.runner.config import ConfigError, load_config
 from m3run.runner.data.manifest import fingerprint
 from m3run.runner.files import read_json
 from m3run.runner.health.checks import Verdict
+from m3run.runner.kills import ExitWitness
 from m3run.runner.procs import LogTail, signal_group, spawn_logged
 from m3run.runner.protocol import (
     EXIT_CONFIG,
@@ -150,10 +151,13 @@ class GpuWatch:
             str(d.get("uuid")) for d in (gate.details or {}).get("devices") or [] if d.get("uuid")
         )
         self.device_key = ",".join(uuids) if uuids else f"host:{socket.gethostname()}"
+        reason, level = gate.summary, "warning" if gate.verdict == Verdict.WARN else "info"
+        if gate.verdict == Verdict.NO_GPU:
+            reason, level = _without_gpu(gate.summary, self.s.train_device)
         self.log.emit(
             "health",
-            reason=gate.summary,
-            level="warning" if gate.verdict == Verdict.WARN else "info",
+            reason=reason,
+            level=level,
             verdict=gate.verdict,
             when=when,
             health=gate.details,
@@ -193,6 +197,18 @@ class GpuWatch:
                 reason=f"waited {waited:.1f}s for pid {pid}'s GPU memory to be released",
                 pid=pid,
             )
+
+
+def _without_gpu(summary: str, device: str) -> tuple[str, str]:
+    """The gate's line and level on a host without a GPU, for the device the run asks for."""
+    if device == "cuda":
+        return (
+            f"{summary}\n  train.device=cuda asks for a CUDA GPU, so the run cannot train here "
+            "(fix: give the host or container a GPU, e.g. `docker run --gpus all`, or set "
+            "train.device=cpu or auto)",
+            "warning",
+        )
+    return f"{summary}\n  the run trains on CPU (train.device={device})", "info"
 
 
 @dataclass(frozen=True)
@@ -325,10 +341,12 @@ class SmokeTest:
             env={**env, "PYTHONUNBUFFERED": "1"},
             header="m3run supervisor: preflight smoke test",
         )
+        witness = ExitWitness(proc.pid)
         tail = LogTail(log_path, offset)
         deadline = time.monotonic() + timeout_s
         shown: SmokeProgress | None = None
         while proc.poll() is None:
+            witness.sample()
             for line in tail.lines():
                 echo(line)
             progress = SmokeProgress.from_dict(read_json(run_dir / SMOKE_PROGRESS_FILE))
@@ -338,6 +356,7 @@ class SmokeTest:
             else:
                 tick()
             if stop_requested() or time.monotonic() > deadline:
+                witness.close()
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 if stop_requested():
@@ -349,11 +368,11 @@ class SmokeTest:
             time.sleep(poll_s)
         for line in tail.lines(final=True):
             echo(line)
+        how = witness.describe(proc.returncode)
         result = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE))
         if result is None:
             return False, (
-                f"the smoke process exited {proc.returncode} without a verdict; see "
-                f"the end of {log_path}"
+                f"the smoke process ended without a verdict ({how}); see the end of {log_path}"
             )
         return result.ok, result.message
 

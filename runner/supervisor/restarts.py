@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from m3run.runner.procs import describe_exit
 from m3run.runner.protocol import EXIT_NAN, EXIT_STOPPED
 from m3run.runner.supervisor.checkpoints import CheckpointTracker, LrCut
 from m3run.runner.supervisor.settings import SupervisorSettings
@@ -92,5 +91,5 @@ def diagnose(out: Outcome, checkpoints: CheckpointTracker, lr_cut: LrCut) -> tup
             ),
             checkpoints.resume_target(),
         )
-    reason = f"worker crashed ({describe_exit(out.exit_code)})"
+    reason = f"worker crashed ({out.description()})"
     return "crash", reason, checkpoints.resume_target()

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3run.runner.config import CheckpointConfig, LogConfig, SupervisorConfig
+from m3run.runner.config import CheckpointConfig, LogConfig, SupervisorConfig, TrainConfig
 
 
 def _default(section: type, name: str) -> Any:
@@ -24,6 +24,8 @@ class SupervisorSettings:
 
     * ``heartbeat_interval_s`` (log.heartbeat_interval_s): a training worker writes
       heartbeat.json this often at most;
+    * ``train_device`` (train.device): where the run asks to train, which the health gate's
+      line on a host without a GPU follows;
     * ``mirror_url``, ``mirror_keep_last``, ``mirror_flush_s`` (checkpoint.mirror_url,
       .keep_last, .mirror_flush_s): the object-storage mirror the supervisor keeps up to date
       (None: no mirror), how many checkpoints it keeps there, and how long it waits at the end
@@ -53,6 +55,7 @@ class SupervisorSettings:
     vram_warn_fraction: float = _default(SupervisorConfig, "vram_warn_fraction")
     warm_spare: bool | str = _default(SupervisorConfig, "warm_spare")
     heartbeat_interval_s: float = _default(LogConfig, "heartbeat_interval_s")
+    train_device: str = _default(TrainConfig, "device")
     mirror_url: str | None = _default(CheckpointConfig, "mirror_url")
     mirror_keep_last: int = _default(CheckpointConfig, "keep_last")
     mirror_flush_s: float = _default(CheckpointConfig, "mirror_flush_s")
@@ -70,6 +73,7 @@ class SupervisorSettings:
         names = [f.name for f in dataclasses.fields(cls) if f.name in type(sup).model_fields]
         values = {n: getattr(sup, n) for n in names}
         values["heartbeat_interval_s"] = cfg.log.heartbeat_interval_s
+        values["train_device"] = cfg.train.device
         values["mirror_url"] = cfg.checkpoint.mirror_url
         values["mirror_keep_last"] = cfg.checkpoint.keep_last
         values["mirror_flush_s"] = cfg.checkpoint.mirror_flush_s

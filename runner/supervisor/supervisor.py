@@ -445,7 +445,14 @@ class Supervisor:
                     self.hang.observe(last)  # a worker that ended between two polls
                 worker.kill()  # leftovers of the group (ranks, loader workers) go with it
                 killed = stop.deadline_passed()
-                return Outcome(worker.protocol_code(code), hang=hang, killed_after_grace=killed)
+                # A SIGKILL this supervisor did not send (after a hang or the stop grace) is
+                # named from the evidence: most often it is the out-of-memory killer's.
+                ours = killed or hang is not None or code != -signal.SIGKILL
+                how = None if ours else worker.witness.describe(code)
+                worker.witness.close()
+                return Outcome(
+                    worker.protocol_code(code), hang=hang, killed_after_grace=killed, how=how
+                )
             now = time.monotonic()
             self._keep_lock()
             stop.poll(worker, now, on_sent=self._record_stopping)
@@ -518,12 +525,12 @@ class Supervisor:
                     "time": time.time(),
                     "pid": worker.pid,
                     "hang": out.hang,
-                    "description": describe_exit(code),
+                    "description": out.description(),
                 },
             )
             self.log.emit(
                 "worker_exit",
-                reason=out.hang or describe_exit(code),
+                reason=out.hang or out.description(),
                 exit_code=code,
                 pid=worker.pid,
                 settle_s=round(settle_s, 3),

@@ -19,11 +19,13 @@ from typing import Any
 import psutil
 
 from m3run.runner.files import lock_holder, read_json
+from m3run.runner.kills import ExitWitness
 from m3run.runner.procs import (
     LogTail,
     append_header,
     command_line,
     create_time,
+    describe_exit,
     signal_group,
     spawn_logged,
     terminate_then_kill,
@@ -148,6 +150,10 @@ class Outcome:
     exit_code: int
     hang: str | None = None  # the reason when the supervisor killed it as hung
     killed_after_grace: bool = False
+    how: str | None = None  # what sent a SIGKILL the supervisor did not send (runner/kills.py)
+
+    def description(self) -> str:
+        return self.how or describe_exit(self.exit_code)
 
 
 def reap_stale_worker(run_dir: Path, grace_s: float, log: EventLog) -> None:
@@ -200,8 +206,10 @@ class WorkerProcess:
         self.pid = self.proc.pid
         self.create_time = create_time(self.pid)
         self.tail = LogTail(log_path, offset)
+        self.witness = ExitWitness(self.pid)
 
     def wait(self, timeout_s: float) -> int | None:
+        self.witness.sample()
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -98,6 +98,10 @@ def test_sigkill_worker_three_times_ends_bitwise_equal(corpus, reference, tmp_pa
     assert state["phase"] == "finished"
     assert [r["kind"] for r in state["restarts"]] == ["crash"] * 3, state["restarts"]
     assert all("killed by SIGKILL" in r["reason"] for r in state["restarts"])
+    # A SIGKILL the supervisor did not send is weighed against the out-of-memory killer, with
+    # the worker's peak memory.
+    assert all("out-of-memory killer" in r["reason"] for r in state["restarts"]), state["restarts"]
+    assert all("peak RSS at least" in r["reason"] for r in state["restarts"])
     assert_same_weights(run.run_dir, reference, f"(killed at steps {killed_at})")
     ref = train_losses(reference)
     assert train_losses(run.run_dir) == ref

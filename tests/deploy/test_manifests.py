@@ -9,6 +9,8 @@ schemas and linters (Kubernetes, compose-spec, SkyPilot, hadolint, systemd) are 
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import re
 import shlex
 import subprocess
@@ -172,7 +174,56 @@ def test_image_keeps_the_base_torch():
         # pinned to the base image's build, so pip can only keep it, never replace it
         assert "--constraint /tmp/keep-torch.txt" in run
         assert not re.search(r"pip install[^&]*\btorch\b(?!\.)", run.replace("keep-torch", ""))
-    assert "torch.__version__" in pip[0] and "> /tmp/keep-torch.txt" in pip[0]
+    # The pin is the installed distribution's version as pip sees it (its metadata), never
+    # torch.__version__, whose local tag (+cu130) a torch installed from PyPI does not carry.
+    pin = re.search(r'python -c "([^"]*)" > /tmp/keep-torch.txt', pip[0])
+    assert pin and "importlib.metadata" in pin.group(1) and "version('torch')" in pin.group(1)
+    assert "torch.__version__" not in pin.group(1)
+    out = subprocess.run(
+        [sys.executable, "-c", pin.group(1)], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == f"torch=={importlib.metadata.version('torch')}", out.stderr
+
+
+def test_base_image_reference_is_fully_qualified():
+    """podman and buildah refuse a short name (`pytorch/pytorch@…`): the default names its
+    registry."""
+    (arg,) = [a for a in instruction("ARG") if a.startswith("BASE_IMAGE=")]
+    first = arg.split("=", 1)[1].split("/")[0]
+    assert "." in first or ":" in first or first == "localhost", arg
+
+
+def test_a_cpu_base_is_refused_unless_the_build_allows_it():
+    """REQUIRE_CUDA (default true) checks torch's CUDA build and Triton before anything is
+    installed; false, for the CPU image test, accepts a CPU torch; any other value fails."""
+    assert "REQUIRE_CUDA=true" in instruction("ARG")
+    (check,) = [r for r in instruction("RUN") if "REQUIRE_CUDA" in r]
+    case = check[: check.index("esac") + len("esac")]
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "REQUIRE_CUDA": value, "PATH": _venv_path()}
+        return subprocess.run(
+            ["bash", "-o", "pipefail", "-c", case], env=env, capture_output=True, text=True
+        )
+
+    assert run("false").returncode == 0
+    wrong = run("yes")
+    assert wrong.returncode != 0 and "REQUIRE_CUDA must be true or false, got 'yes'" in wrong.stderr
+    cuda = subprocess.run(
+        [sys.executable, "-c", "import torch, triton; assert torch.version.cuda"],
+        capture_output=True,
+    )
+    default = run("true")
+    if cuda.returncode == 0:
+        assert default.returncode == 0, default.stderr
+    else:  # this machine's torch is a CPU build (or has no Triton): refused, naming why
+        assert default.returncode != 0
+        assert "not a CUDA build" in default.stderr or "triton" in default.stderr, default.stderr
+
+
+def _venv_path() -> str:
+    """PATH with this interpreter's folder first, so the Dockerfile's `python` is it."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def project_requirements(*extras: str) -> subprocess.CompletedProcess:

@@ -92,8 +92,8 @@ def test_demo_recipe_numbers():
     t = cfg.train
     assert cfg.model == ModelConfig.preset("tiny")
     assert (cfg.data.train_path, cfg.data.val_path) == (
-        "runs/demo-data/train",
-        "runs/demo-data/val",
+        str(ROOT / "runs/demo-data/train"),
+        str(ROOT / "runs/demo-data/val"),
     )
     assert (cfg.data.seq_len, t.micro_batch_size, t.grad_accum_steps) == (256, 8, 1)
     assert (t.total_steps, t.lr, t.warmup_steps, t.schedule, t.min_lr_ratio) == (
@@ -397,7 +397,9 @@ def test_dump_keeps_the_preset_and_every_field():
 
 
 def test_dump_load_round_trip_via_file(tmp_path: Path):
-    cfg = parse_config(MINIMAL, ["train.schedule=wsd", "train.compile_mode=default"])
+    # A frozen config's data paths are absolute (a relative one in a file is the file's).
+    sets = ["train.schedule=wsd", "train.compile_mode=default", "data.train_path=/data/train"]
+    cfg = parse_config(MINIMAL, sets)
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
     again = load_config(path)
@@ -521,6 +523,62 @@ def test_relaunching_a_run_frozen_before_reset_at_eos_is_no_config_change(tmp_pa
         freeze_config(on)
     on.force = True
     assert freeze_config(on)[0].data.reset_at_eos is True
+
+
+# --- data paths -----------------------------------------------------------------------------
+
+
+def test_relative_data_paths_in_a_file_are_relative_to_the_file_from_any_directory(
+    tmp_path, monkeypatch
+):
+    recipes, elsewhere = tmp_path / "recipes", tmp_path / "elsewhere"
+    recipes.mkdir()
+    elsewhere.mkdir()
+    one = MINIMAL.replace("data/train", "../shards/train, val_path: /abs/val")
+    (recipes / "one.yaml").write_text(one)
+    mix = MINIMAL.replace(
+        "train_path: data/train",
+        "sources: [{path: a/train, weight: 1}, {path: /b/train, weight: 1}]",
+    )
+    (recipes / "mix.yaml").write_text(mix)
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(Path("../recipes/one.yaml"))
+    assert (cfg.data.train_path, cfg.data.val_path) == (str(tmp_path / "shards/train"), "/abs/val")
+    paths = [s.path for s in load_config(recipes / "mix.yaml").data.sources]
+    assert paths == [str(recipes / "a/train"), "/b/train"]
+    # A path given with --set is the shell's: relative to the working directory.
+    cfg = load_config(recipes / "one.yaml", ["data.val_path=here/val", "data.train_path=~/t"])
+    assert cfg.data.val_path == str(elsewhere / "here/val")
+    assert cfg.data.train_path == str(Path.home() / "t")
+
+
+def test_the_demo_recipe_reads_the_repositorys_demo_data_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(DEMO)
+    assert cfg.data.train_path == str(ROOT / "runs" / "demo-data" / "train")
+    assert cfg.data.val_path == str(ROOT / "runs" / "demo-data" / "val")
+
+
+def test_a_run_frozen_with_relative_paths_relaunches_from_its_directory_unchanged(
+    tmp_path, monkeypatch
+):
+    """Before data paths were made absolute, a frozen config kept them as written, relative to
+    the launch's working directory: read so, a relaunch from there is no config change, and
+    the config it freezes again is absolute."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sets = ["data.train_path=corpus/train", "data.val_path=corpus/val"]
+    frozen = load_config(DEMO, sets).to_yaml()
+    old = frozen.replace(str(tmp_path / "corpus") + "/", "corpus/")
+    assert "train_path: corpus/train" in old
+    (run_dir / "config.yaml").write_text(old)
+    assert load_frozen_config(run_dir / "config.yaml").data.train_path == str(
+        tmp_path / "corpus" / "train"
+    )
+    cfg, _ = freeze_config(LaunchOptions(config=DEMO, run_dir=run_dir, overrides=sets))
+    assert cfg.data.train_path == str(tmp_path / "corpus" / "train")
+    assert f"train_path: {tmp_path / 'corpus' / 'train'}" in (run_dir / "config.yaml").read_text()
 
 
 # --- helpers --------------------------------------------------------------------------------

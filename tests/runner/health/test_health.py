@@ -96,7 +96,7 @@ def test_zero_devices_is_no_gpu(fake) -> None:
 def test_missing_nvml_library_is_no_gpu_but_a_broken_driver_is_not(fake) -> None:
     missing = check(fake({"errors": {"nvmlInit": "LIBRARY_NOT_FOUND"}}))
     assert missing.verdict == "no_gpu"
-    assert "proceeds on CPU" in by_check(missing, "nvml", None).message
+    assert "no GPU: NVML is unavailable" in by_check(missing, "nvml", None).message
 
     broken = check(
         fake({"errors": {"nvmlInit": "DRIVER_NOT_LOADED"}, "device_nodes": ["/dev/nvidia0"]})

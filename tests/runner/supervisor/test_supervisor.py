@@ -560,6 +560,29 @@ def test_real_health_probe_with_fake_nvml_unhealthy(tmp_path, standin, monkeypat
     assert "ECC" in state["reason"] or "ecc" in state["reason"]
 
 
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("cuda", "train.device=cuda asks for a CUDA GPU, so the run cannot train here"),
+        ("auto", "the run trains on CPU (train.device=auto)"),
+    ],
+)
+def test_the_gate_line_without_a_gpu_follows_the_device_the_run_asks_for(
+    tmp_path, standin, monkeypatch, device, says
+):
+    from m3run.runner.supervisor.preflight import NvmlProbe
+
+    fake = tmp_path / "nvml.json"
+    fake.write_text(json.dumps({"errors": {"nvmlInit": "LIBRARY_NOT_FOUND"}}))
+    monkeypatch.setenv("M3RUN_FAKE_NVML", str(fake))
+    run_dir = make_run(tmp_path, [{"steps": 1}])
+    code, _, events = supervise(run_dir, standin, gpu=NvmlProbe(20.0), train_device=device)
+    assert code == EXIT_OK
+    (health,) = events_named(events, "health")
+    assert health["verdict"] == "no_gpu" and says in health["reason"], health["reason"]
+    assert "proceeds on CPU" not in health["reason"]
+
+
 def test_vram_peak_recorded_and_warned_near_capacity(tmp_path, standin):
     run_dir = make_run(tmp_path, [{"steps": 5, "vram": 990 * 2**20}])
     code, state, events = supervise(run_dir, standin, gpu=FakeGpu(["healthy"], 1000))
