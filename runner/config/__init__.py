@@ -13,8 +13,8 @@ every problem comes back as one `ConfigError` whose lines name the key, the bad 
 fix. `RunConfig.to_yaml()` writes the fully resolved config (every field, the preset name kept)
 and loading that text gives an equal config; `config_hash` fingerprints it. A run dir's frozen
 config.yaml is read with `load_frozen_config`: a key added after the run was frozen
-(`LEGACY_VALUES`) reads at the value that keeps the run's behaviour. `resolve_data_paths` makes
-the data paths absolute when a config is frozen (a run frozen with relative ones keeps them).
+(`LEGACY_VALUES`) reads at the value that keeps the run's behaviour. Data paths come back
+absolute (loading.py says against what), so a frozen config names its data from anywhere.
 
 This module must stay torch-free: the supervisor and the light CLI commands import it.
 """
@@ -30,7 +30,6 @@ from m3run.runner.config.loading import (
     load_frozen_config,
     parse_config,
 )
-from m3run.runner.config.paths import resolve_data_paths
 from m3run.runner.config.runtime import DistributedConfig, SupervisorConfig
 from m3run.runner.config.schema import (
     CheckpointConfig,
@@ -61,5 +60,4 @@ __all__ = [
     "load_config",
     "load_frozen_config",
     "parse_config",
-    "resolve_data_paths",
 ]

@@ -246,8 +246,8 @@ def _anchor_data_paths(raw: dict, base: Path) -> dict:
 
 
 def _anchored(value: Any, base: Path) -> Any:
-    if not isinstance(value, str) or not value:
-        return value
+    if not isinstance(value, str) or not value or "://" in value:
+        return value  # a URL is not a path to anchor: validation or the loader names it
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 

@@ -20,7 +20,6 @@ from m3run.runner.config import (
     keep_legacy_values,
     load_config,
     load_frozen_config,
-    resolve_data_paths,
 )
 from m3run.runner.console import Console
 from m3run.runner.files import (
@@ -240,15 +239,10 @@ def freeze_config(opts: LaunchOptions) -> tuple[Any, str]:
                     EXIT_CONFIG,
                 ) from None
             old = None
-    try:
-        # Absolute data paths: the run dir names its data wherever it is used from later.
-        cfg = resolve_data_paths(cfg, old)
-    except ConfigError as e:
-        raise LaunchError(str(e), EXIT_CONFIG) from None
     new_hash = config_hash(cfg)
-    if frozen.exists():
-        old_hash = config_hash(old) if old is not None else None
-        if old is not None and old_hash != new_hash:
+    if old is not None:
+        old_hash = config_hash(old)
+        if old_hash != new_hash:
             a, b = old.flat(), cfg.flat()
             diff = [
                 f"{k}: {a.get(k)!r} -> {b.get(k)!r}"

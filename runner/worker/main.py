@@ -23,7 +23,6 @@ from m3run.runner.config import (
     keep_legacy_values,
     load_config,
     load_frozen_config,
-    resolve_data_paths,
 )
 from m3run.runner.data.manifest import DataError
 from m3run.runner.files import describe_os_error
@@ -69,10 +68,8 @@ def run(
         # dynamo and inductor, while the setup waits on the GPU and the disk
         compile_stack = import_in_background() if cfg.train.compile else None
         frozen = Path(run_dir) / CONFIG_FILE
-        old = load_frozen_config(frozen) if frozen.is_file() else None
-        if old is not None:  # every rank: a key the run was frozen without keeps its value
-            cfg = keep_legacy_values(cfg, old)
-        cfg = resolve_data_paths(cfg, old)
+        if frozen.is_file():  # every rank: a key the run was frozen without keeps its value
+            cfg = keep_legacy_values(cfg, load_frozen_config(frozen))
         if not (lr_scale > 0):
             raise ConfigError(f"--lr-scale must be > 0, got {lr_scale}")
         trainer = Trainer(

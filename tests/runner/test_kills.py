@@ -125,7 +125,7 @@ def test_the_smoke_test_names_a_sigkill_instead_of_a_bare_exit_code(tmp_path):
     run_dir.mkdir()
     killed = []
 
-    def kill_the_smoke_process() -> None:
+    def kill_the_smoke_process(**_state) -> None:  # tick: the state to record (ignored)
         # The first poll while the child lives: it is still importing torch.
         if killed:
             return
