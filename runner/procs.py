@@ -133,10 +133,11 @@ def spawn_logged(
     env: dict[str, str] | None = None,
     header: str | None = None,
     stdin: int = subprocess.DEVNULL,
+    pass_fds: Sequence[int] = (),
 ) -> tuple[subprocess.Popen, int]:
     """Start `argv` in a new session, stdin closed (or `subprocess.PIPE`), stdout and stderr
-    appended to `log_path` (after a `--- header` line when given). Returns the process and the
-    log offset at which its output starts."""
+    appended to `log_path` (after a `--- header` line when given), no descriptor of ours open in
+    it but `pass_fds`. Returns the process and the log offset at which its output starts."""
     if header is not None:
         append_header(log_path, header)
     with open_append(log_path, binary=True) as log_file:
@@ -149,6 +150,7 @@ def spawn_logged(
             env=env,
             start_new_session=True,
             close_fds=True,
+            pass_fds=tuple(pass_fds),
         )
     return proc, offset
 

@@ -133,8 +133,12 @@ FAULTS = {
 FAULT_SCOPE_ENV = "M3RUN_FAULT_SCOPE"
 # Test-only fault of the warm spare, read by `--standby` alone and passed to every spare whatever
 # M3RUN_FAULT_SCOPE says: "crash_at_import" makes each spare exit 1 during its imports, before it
-# reads its arguments (a spare that cannot start); a worker started plainly ignores it.
+# reads its arguments (a spare that cannot start); "hang_at_import" makes it sleep there for
+# good, alive but never ready (a wedged spare); a worker started plainly ignores it.
 SPARE_FAULT_ENV = "M3RUN_SPARE_FAULT"
+# Set by the supervisor for a warm spare: the descriptor of a pipe on which the spare writes one
+# byte once its imports are done, so a spare that is alive but never got there is told apart.
+SPARE_READY_FD_ENV = "M3RUN_SPARE_READY_FD"
 # Set by the supervisor for the worker it starts: its own pid, so the worker can tell its
 # supervisor's supervisor.lock from another supervisor's (then it refuses to write).
 SUPERVISOR_PID_ENV = "M3RUN_SUPERVISOR_PID"

@@ -15,7 +15,9 @@ library) is recorded (``spare_failed``), and after ``MAX_SPARE_FAILURES`` of the
 without spares (``spares_off``): each one costs a full import, and the next would fail the same
 way. A spare found stopped (SIGSTOP, a debugger) at the handover is killed (``spare_discarded``,
 which counts as a failure) and a plain worker starts at once: handed the run, it would only be
-ended as hung once the startup allowance ran out.
+ended as hung once the startup allowance ran out. So is one alive but wedged: a spare writes
+one byte on a pipe once its imports are done, and one that has not after
+``SPARE_READY_WITHIN_S`` is stuck, not slow.
 
 A launch that runs the preflight smoke test starts a spare before it, so that the first
 worker's imports overlap the smoke test instead of following it: the first worker is that
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,7 @@ from m3run.runner.procs import signal_group, spawn_logged
 from m3run.runner.protocol import (
     SPARE_DISCARDED_EVENT,
     SPARE_FAILED_EVENT,
+    SPARE_READY_FD_ENV,
     SPARES_OFF_EVENT,
     STANDBY_ARG,
     WORKER_LOG,
@@ -57,6 +62,12 @@ SPARE_ARGV = (sys.executable, "-m", "m3run.runner.train", STANDBY_ARG)
 # Spares that may fail before the run stops starting them: one can die of a passing cause (the
 # host short of memory); this many in one run means the next would die the same way.
 MAX_SPARE_FAILURES = 3
+# A spare alive this long without having said it is ready (its imports done) is wedged, not
+# slow: handed the run it would only be ended as hung once the startup allowance ran out. A
+# younger one that is still importing is handed the run all the same: it is ahead of a fresh
+# worker, which would import everything again. Imports take seconds; a cold cache on a slow
+# disk, a minute or so.
+SPARE_READY_WITHIN_S = 180.0
 # psutil statuses of a spare that would not run if handed the worker's arguments.
 _NOT_RUNNING = frozenset(
     {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
@@ -67,12 +78,21 @@ class WarmSpare:
     """At most one spare worker process for ``run_dir``. ``emit(event, reason, level, **fields)``
     records its failures (the supervisor's event log)."""
 
-    def __init__(self, run_dir: Path, emit: Callable[..., None] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        emit: Callable[..., None] | None = None,
+        ready_within_s: float = SPARE_READY_WITHIN_S,
+    ):
         self.run_dir = run_dir
         self.proc: subprocess.Popen | None = None
         self.failures = 0
         self.off = False  # too many failed: no more spares this run
+        self.ready_within_s = ready_within_s
         self._emit = emit or (lambda *a, **k: None)
+        self._ready_fd: int | None = None  # the read end of the spare's readiness pipe
+        self._imported = False  # the spare said its imports are done
+        self._started = 0.0  # time.monotonic() at its spawn
 
     def ready(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -91,9 +111,37 @@ class WarmSpare:
         self._dead_before_handover()
         if self.off:
             return
-        self.proc, _ = spawn_logged(
-            SPARE_ARGV, self.run_dir / WORKER_LOG, env=env, stdin=subprocess.PIPE
-        )
+        read_end, write_end = os.pipe()
+        try:
+            self.proc, _ = spawn_logged(
+                SPARE_ARGV,
+                self.run_dir / WORKER_LOG,
+                env={**env, SPARE_READY_FD_ENV: str(write_end)},
+                stdin=subprocess.PIPE,
+                pass_fds=(write_end,),
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the spare holds it now: EOF here once it is gone
+        os.set_blocking(read_end, False)
+        self._ready_fd, self._imported, self._started = read_end, False, time.monotonic()
+
+    def imported(self) -> bool:
+        """Whether the spare has said its imports are done (read off its pipe, never waiting)."""
+        if not self._imported and self._ready_fd is not None:
+            with contextlib.suppress(BlockingIOError):  # not yet
+                self._imported = os.read(self._ready_fd, 1) == b"\n"
+        return self._imported
+
+    def _forget(self) -> subprocess.Popen | None:
+        """Drop the spare (its process returned) and its readiness pipe."""
+        proc, self.proc = self.proc, None
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
+        return proc
 
     def take(self, worker_args: list[str]) -> subprocess.Popen | None:
         """Hand the waiting spare ``worker_args`` (the worker's arguments after its module)
@@ -101,7 +149,7 @@ class WarmSpare:
         spawns a fresh worker)."""
         if not self.usable():
             return None
-        proc, self.proc = self.proc, None
+        proc = self._forget()
         try:
             assert proc.stdin is not None
             proc.stdin.write((json.dumps(worker_args) + "\n").encode())
@@ -121,15 +169,26 @@ class WarmSpare:
             status = psutil.Process(self.proc.pid).status()
         except psutil.Error:
             status = psutil.STATUS_DEAD
-        if status not in _NOT_RUNNING:
-            return True
         pid = self.proc.pid
+        if status in _NOT_RUNNING:
+            why = (
+                f"is {status!r}, not running, at the handover. Something stopped it (SIGSTOP, a "
+                "debugger); leave the spare alone"
+            )
+        else:
+            age = time.monotonic() - self._started
+            if self.imported() or age <= self.ready_within_s:
+                return True
+            why = (
+                f"is alive but has not finished its imports after {age:.0f} s (a spare is "
+                f"wedged after {self.ready_within_s:g} s): an import is stuck, e.g. on a dead "
+                f"file system or a lock; py-spy dump --pid {pid} shows where"
+            )
         self.discard()
         self._emit(
             SPARE_DISCARDED_EVENT,
-            reason=f"warm spare pid {pid} is {status!r}, not running, at the handover: killed "
-            "it and started a plain worker instead of waiting on it. Something stopped it "
-            "(SIGSTOP, a debugger); leave the spare alone, or set supervisor.warm_spare=false",
+            reason=f"warm spare pid {pid} {why}. Killed it and started a plain worker instead "
+            "of waiting on it; or set supervisor.warm_spare=false",
             level="warning",
             pid=pid,
             status=status,
@@ -143,7 +202,7 @@ class WarmSpare:
         proc = self.proc
         if proc is None or proc.poll() is None:
             return False
-        self.proc = None
+        self._forget()
         self._failed(proc)
         return True
 
@@ -178,7 +237,7 @@ class WarmSpare:
 
     def discard(self) -> None:
         """Kill the spare, if any, and reap it."""
-        proc, self.proc = self.proc, None
+        proc = self._forget()
         if proc is not None and proc.poll() is None:
             signal_group(proc.pid, signal.SIGKILL)
         self._reap(proc)

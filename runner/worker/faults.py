@@ -167,9 +167,13 @@ def _usable(kind: str, value: str) -> bool:
 def standby_fault() -> None:
     """Called by a warm spare before its last imports (runner/worker/standby.py): the
     M3RUN_SPARE_FAULT hook."""
-    if os.environ.get(SPARE_FAULT_ENV) == "crash_at_import":
+    fault = os.environ.get(SPARE_FAULT_ENV)
+    if fault == "crash_at_import":
         print("[fault] warm spare crash during its imports", flush=True)
         os._exit(1)  # a spare that cannot start, as a broken install makes it
+    if fault == "hang_at_import":
+        print("[fault] warm spare hangs during its imports", flush=True)
+        _forever()  # alive, never ready: an import stuck on a dead file system
 
 
 def _forever() -> None:

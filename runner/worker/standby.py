@@ -16,11 +16,15 @@ place, and the new worker must then save and exit 75 like any stopped worker
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import signal
 import sys
 import time
+
+from m3run.runner.protocol import SPARE_READY_FD_ENV
 
 from .faults import standby_fault
 from .preimport import COMPILE_STACK
@@ -45,6 +49,18 @@ def activated_at() -> float | None:
     return _activated_at
 
 
+def _say_ready() -> None:
+    """One byte on the supervisor's readiness pipe (SPARE_READY_FD_ENV): the imports are done.
+    A supervisor that has gone away (a closed pipe) is none of the spare's business here: it
+    reads EOF on stdin next."""
+    fd = os.environ.get(SPARE_READY_FD_ENV)
+    if fd is None or not fd.isdigit():
+        return
+    with contextlib.suppress(OSError):
+        os.write(int(fd), b"\n")
+        os.close(int(fd))
+
+
 def wait_for_arguments() -> list[str] | None:
     """Import the compile stack, then block until the supervisor writes the worker's arguments;
     None at EOF. A malformed line is an error: the supervisor wrote it."""
@@ -54,6 +70,7 @@ def wait_for_arguments() -> list[str] | None:
     standby_fault()
     for name in COMPILE_STACK:
         importlib.import_module(name)
+    _say_ready()
     line = sys.stdin.readline()
     if not line:
         return None

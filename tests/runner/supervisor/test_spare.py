@@ -108,6 +108,38 @@ def test_a_stopped_spare_is_killed_at_the_handover_not_handed_the_run(tmp_path):
     assert spare.proc is None and spare.failures == 1
 
 
+def test_a_wedged_spare_is_killed_at_the_handover_and_a_ready_one_is_handed_the_run(tmp_path):
+    """A spare alive but stuck in its imports (M3RUN_SPARE_FAULT=hang_at_import) never says it
+    is ready; past the allowance it is discarded at the handover like a stopped one. A spare
+    that said it is ready is handed the run however old it is."""
+    events = _Events()
+    wedged = WarmSpare(tmp_path, events, ready_within_s=0.0)
+    wedged.start(worker_env(**{SPARE_FAULT_ENV: "hang_at_import"}))
+    proc = wedged.proc
+    log = tmp_path / WORKER_LOG
+    deadline = time.monotonic() + 180
+    while "[fault] warm spare hangs" not in log.read_text():  # it is past its start, stuck
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.02)
+    assert not wedged.imported()
+    assert wedged.take(["config.yaml", "--run-dir", str(tmp_path)]) is None
+    assert proc.returncode == -signal.SIGKILL
+    assert events.names == [SPARE_DISCARDED_EVENT]
+    assert "has not finished its imports" in events.reasons[0]
+    assert wedged.proc is None and wedged.failures == 1
+
+    ready = WarmSpare(tmp_path, events, ready_within_s=0.0)
+    ready.start(worker_env())
+    deadline = time.monotonic() + 180
+    while not ready.imported():
+        assert time.monotonic() < deadline and ready.proc.poll() is None, log.read_text()
+        time.sleep(0.02)
+    assert ready.usable() and events.names == [SPARE_DISCARDED_EVENT]
+    ready.proc.stdin.close()  # no arguments: it exits 0
+    assert ready.proc.wait(timeout=60) == 0
+    ready.discard()
+
+
 def _waits_on_stdin(pid: int) -> bool:
     """Whether the process sleeps reading a pipe (its stdin: the spare has nothing else open)."""
     try:
