@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from m3run.runner.checkpoint.layout import list_checkpoints, verify_checkpoint
+from m3run.runner.checkpoint.layout import CheckpointInfo, list_checkpoints, verify_checkpoint
 from m3run.runner.config import (
     ConfigError,
     check_config_file,
@@ -154,8 +154,9 @@ def check_resume(value: str) -> str:
     )
 
 
-def _complete_steps(run_dir: Path) -> list[int]:
-    return [c.step for c in list_checkpoints(run_dir, verify=False) if c.complete]
+def _complete(run_dir: Path) -> list[CheckpointInfo]:
+    """The run dir's complete checkpoints, oldest first (meta.json and sizes; no hashing)."""
+    return [c for c in list_checkpoints(run_dir, verify=False) if c.complete]
 
 
 def check_resume_step(run_dir: Path, resume: str, mirrored: bool = False) -> None:
@@ -165,7 +166,7 @@ def check_resume_step(run_dir: Path, resume: str, mirrored: bool = False) -> Non
     it, or refuses naming both places, at its start."""
     if not resume.isdigit() or mirrored:
         return
-    steps = _complete_steps(run_dir)
+    steps = [c.step for c in _complete(run_dir)]
     if int(resume) in steps:
         return
     have = ", ".join(map(str, steps[-8:])) if steps else "none"
@@ -183,20 +184,20 @@ def finished_message(cfg: Any, opts: LaunchOptions, resume: str) -> str | None:
         return None
     if lock_holder(opts.run_dir / WORKER_LOCK_FILE) is not None:
         return None  # an orphaned worker trains on: the supervisor stops it first
-    complete = [c for c in list_checkpoints(opts.run_dir, verify=False) if c.complete]
+    complete = _complete(opts.run_dir)
     total = cfg.train.total_steps
     if not complete or complete[-1].step < total:
         return None
+    last = complete[-1]
     # Its digests too: a final checkpoint that rotted is for the worker to pass over (it
     # resumes from the one before and trains the last steps again), not a finished run.
-    if not verify_checkpoint(complete[-1].path, full=True)[0]:
+    if not verify_checkpoint(last.path, full=True)[0]:
         return None
-    steps = [c.step for c in complete]
     return (
-        f"{opts.run_dir} is finished: its checkpoint at step {steps[-1]} is the last of "
+        f"{opts.run_dir} is finished: its checkpoint at step {last.step} is the last of "
         f"train.total_steps={total}, so there is nothing to train. To train it longer: "
         f"`m3run launch {opts.config} --run-dir {opts.run_dir} --set "
-        f"train.total_steps={max(2 * total, steps[-1] + 1)} --force`; to use it: "
+        f"train.total_steps={max(2 * total, last.step + 1)} --force`; to use it: "
         f"`m3run export {opts.run_dir} OUT` or `m3run generate {opts.run_dir} --prompt TEXT`"
     )
 
@@ -204,7 +205,7 @@ def finished_message(cfg: Any, opts: LaunchOptions, resume: str) -> str | None:
 def _schedule_jump(run_dir: Path, old: Any, new: Any) -> str | None:
     """What a replaced config does to the learning rate where the run resumes (extending a
     finished run with a larger train.total_steps restarts the decay from a higher LR)."""
-    complete = [c for c in list_checkpoints(run_dir, verify=False) if c.complete]
+    complete = _complete(run_dir)
     if not complete:
         return None
     step = complete[-1].step
@@ -306,7 +307,7 @@ def _check_tracker(cfg: Any, run_dir: Path, console: Console) -> None:
     problem = tracker_problem(cfg.log.tracker)
     if problem is None:
         return
-    if any(c.complete for c in list_checkpoints(run_dir, verify=False)):
+    if _complete(run_dir):
         console.warning(f"{problem}; training goes on untracked", event="tracker_unavailable")
         return
     raise LaunchError(f"experiment tracker: {problem}", EXIT_CONFIG)
