@@ -186,33 +186,23 @@ def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> st
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
     """Write text to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(path, fsync=fsync) as f:
+        f.write(text.encode("utf-8"))
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """A binary file that replaces ``path`` (fsync'd first) when the block ends without an
-    error: readers see the old file or the new one, never part of one."""
+def atomic_writer(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[IO[bytes]]:
+    """A binary file that replaces ``path`` (fsync'd first, unless not asked) when the block
+    ends without an error: readers see the old file or the new one, never part of one."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = _open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
