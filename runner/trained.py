@@ -106,7 +106,7 @@ def run_tokenizer(run_dir: Path, cfg: RunConfig) -> Tokenizer:
     try:
         if kept.is_file():
             return Tokenizer.load("hf", str(kept))
-        split = Path(cfg.data.train_path or cfg.data.sources[0].path)
+        split = Path(cfg.data.train_paths()[0])
         if not split.is_dir():
             where = "" if split.is_absolute() else f" (from {Path.cwd()})"
             raise ExportError(

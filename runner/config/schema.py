@@ -236,10 +236,13 @@ class DataConfig(_Section):
             )
         return self
 
+    def train_paths(self) -> list[str]:
+        """The prepared training splits: train_path, or each source's path in order."""
+        return [s.path for s in self.sources] if self.sources else [self.train_path]
+
     def split_paths(self) -> list[str]:
         """Every prepared split the run reads: the training split or sources, then val."""
-        train = [s.path for s in self.sources] if self.sources else [self.train_path]
-        return [p for p in (*train, self.val_path) if p is not None]
+        return [p for p in (*self.train_paths(), self.val_path) if p is not None]
 
 
 class CheckpointConfig(_Section):

@@ -288,7 +288,7 @@ def _keep_tokenizer(cfg: Any, run_dir: Path, console: Console) -> None:
     from m3run.runner.data.manifest import MANIFEST_NAME, DataError
     from m3run.runner.data.tokenizer_file import write_tokenizer_file
 
-    split = Path(cfg.data.train_path or cfg.data.sources[0].path)
+    split = Path(cfg.data.train_paths()[0])
     if not (split / MANIFEST_NAME).is_file():
         return
     try:

@@ -159,7 +159,7 @@ class _Smoke:
     # 2
     def data(self) -> str:
         c = self.cfg
-        paths = [s.path for s in c.data.sources] if c.data.sources else [c.data.train_path]
+        paths = c.data.train_paths()
         for path in paths:
             check_vocab(load_manifest(path), c.model.vocab_size)
         loader = train_loader(
