@@ -107,6 +107,8 @@ def worker_exit_file(local_rank: int = 0) -> str:
 #   M3RUN_FAULT="hold_save=PATH"    each checkpoint write waits mid-write until PATH exists
 #                                   (bounded: worker/faults.py HOLD_SAVE_MAX_S): a test's pacing
 #                                   by a file, not by a sleep
+#                                   (a cancelled write ends either wait at once, as a real one
+#                                   stops at its next block)
 #   M3RUN_FAULT="stall_save_at_step=10"  the write of the first checkpoint at step ≥ 10 stops
 #                                   mid-write for good (a torn write that waits for a SIGKILL)
 #   M3RUN_FAULT="save_error_at_step=10"  the checkpoint write for the first save at step ≥ 10

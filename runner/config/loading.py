@@ -157,17 +157,20 @@ def config_hash(cfg: RunConfig) -> str:
 # key here was frozen before the key existed:
 # `load_frozen_config` reads it at this value, `keep_legacy_values` keeps it on a relaunch that
 # leaves the key unset, and `config_hash` leaves the key out at this value.
-LEGACY_VALUES: dict[str, bool | str] = {
+LEGACY_VALUES: dict[str, bool | int | str] = {
     "data.reset_at_eos": False,
     "train.compile_scope": "model",
     "train.deterministic": False,
     "supervisor.warm_spare": False,
     "supervisor.tune_scan": False,
     "model.A_activation": "softplus",
+    # Host buffers change no result: a run frozen before the key gets the new default, under
+    # the hash it was frozen with.
+    "checkpoint.snapshot_buffers": 2,
 }
 
 
-def _same(value, legacy: bool | str) -> bool:
+def _same(value, legacy: bool | int | str) -> bool:
     """A config value equals a legacy one, type and all (True is not 1)."""
     return type(value) is type(legacy) and value == legacy
 

@@ -262,16 +262,29 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(
         True,
         description=(
-            "Write checkpoints on a background thread. Training stalls only for a copy of the "
-            "model and optimizer state into reused host buffers (pinned on CUDA: host memory "
-            "of about 12 bytes per parameter with AdamW stays locked); the files are written, "
-            "fsync'd and renamed into place while training goes on. At most one write is in "
-            "flight: a checkpoint step that arrives before the previous write is done waits "
-            "for it (reported as stall). A checkpoint is reported (heartbeat "
-            "last_checkpoint_step, the 'saved checkpoint' line) only once complete on disk; a "
-            "failed write stops the worker with exit 1 at the next step, so the supervisor "
-            "restarts from the latest complete checkpoint. A stop, the end of the run and a NaN "
-            "rollback wait for the write in flight. false: the whole write stalls training."
+            "Write checkpoints on a background thread. Training stalls only to queue a copy of "
+            "the model and optimizer state into host buffers allocated once (on CUDA the copy "
+            "runs on a stream of its own beside the next step, and only that step's optimizer "
+            "update waits for it); the files are written, fsync'd and renamed into place while "
+            "training goes on. A checkpoint is reported (heartbeat last_checkpoint_step, the "
+            "'saved checkpoint' line) only once complete on disk; a failed write stops the "
+            "worker with exit 1 at the next step, so the supervisor restarts from the latest "
+            "complete checkpoint. The end of the run and a NaN rollback wait for the writes in "
+            "flight; a stop cancels them when its own save supersedes them. false: the whole "
+            "write stalls training."
+        ),
+    )
+    snapshot_buffers: int = Field(
+        2,
+        ge=1,
+        le=2,
+        description=(
+            "Host copies of the model and optimizer state kept for async_save, each the size "
+            "of a checkpoint (about 12 bytes per parameter with AdamW; page-locked on CUDA for "
+            "the life of the worker). 2: a checkpoint step arriving while the previous one is "
+            "still being written copies into the other buffer at once, and its write follows; "
+            "1: half the host memory, and such a checkpoint step waits for the write in flight "
+            "(reported as stall)."
         ),
     )
     mirror_url: str | None = Field(

@@ -1,23 +1,26 @@
-"""Saving the trainer's state and restoring it: synchronous and background checkpoint writes,
-their reporting (a step is announced only once it is complete on disk), the write-hang rule,
-and loading a verified checkpoint back into the model, the optimizer, the data loader and the
-trainer's counters. The file format is runner.checkpoint's."""
+"""Saving the trainer's state: synchronous and background checkpoint writes, their reporting (a
+step is announced only once it is complete on disk), the write-hang rule and the stop's save.
+The file format is runner.checkpoint's; restoring a checkpoint is resume.py's."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from m3run.runner import __version__
-from m3run.runner.checkpoint import io as ckpt_io
+from m3run.runner.checkpoint import background as ckpt_bg
 from m3run.runner.checkpoint import layout as ckpt
-from m3run.runner.config import ConfigError, RunConfig, config_hash
+from m3run.runner.checkpoint.snapshot import Snapshot, SnapshotBuffers, leaves_of, snapshot
+from m3run.runner.checkpoint.write import WriteCancelled, write_checkpoint
+from m3run.runner.config import RunConfig, config_hash
 from m3run.runner.data.loader import BatchLoader
-from m3run.runner.data.manifest import DataError
 from m3run.runner.protocol import WorkerPhase
 
 from .dist import Dist
@@ -36,8 +39,15 @@ class Checkpointer:
     """Checkpoints of one run dir. `counters` (the trainer) round-trips the step, tokens seen
     and the NaN-rollback state through state_dict()/load_state_dict(); the step in
     `resumed_from` is never deleted by retention. Writer ranks write; the other ranks take part
-    in the barriers and learn that a background write completed from the next save or
-    finish_saves()."""
+    in the barriers and learn that a background write completed from a later save or
+    finish_saves().
+
+    Background saves (checkpoint.async_save) copy the state into one of
+    checkpoint.snapshot_buffers host buffers and queue its write behind the writes pending; a
+    buffer is free again once the write reading it has ended. On CUDA the copy is queued on a
+    stream of its own, and the trainer calls before_update() ahead of each optimizer update, so
+    the update that would overwrite the state waits for the copy on the GPU, while the steps
+    before it run beside the copy."""
 
     def __init__(
         self,
@@ -67,13 +77,27 @@ class Checkpointer:
         self.last_checkpoint_step: int | None = None  # complete on disk: never one being written
         self.checkpoint_time_s: float | None = None  # training stall of the latest save
         self.checkpoint_write_s: float | None = None  # write time of the latest complete save
-        # checkpoint.async_save: the background writer (writer ranks), its reused host buffers,
-        # and on non-writer ranks the step whose write is not yet known to be complete.
-        self._writer = ckpt_io.BackgroundWriter()
-        self._snapshot_buffers = ckpt_io.SnapshotBuffers()
-        self._unconfirmed_step: int | None = None
+        self.last_saved_step: int | None = None  # the newest step save() was called for
+        # Background saves: the writer, the host buffers and which pending write reads which
+        # (oldest first, as the writer holds them), each save's stall by step, and on non-writer
+        # ranks the steps whose writes are not yet known to be complete.
+        self._writer = ckpt_bg.BackgroundWriter()
+        self._buffers = [SnapshotBuffers() for _ in range(cfg.checkpoint.snapshot_buffers)]
+        self._reading: deque[tuple[int, int]] = deque()  # (step, buffer index)
+        self._prepared: Future[None] | None = None
+        self._prepare_started = False
+        self._stall_s: dict[int, float] = {}
+        self._unconfirmed: deque[int] = deque()
         self._longest_write_s = 0.0
-        faults.before_crash = self._writer.join
+        self._told_slow_disk = False
+        device = dist.device
+        self._copy_stream = (
+            torch.cuda.Stream(device)
+            if device.type == "cuda" and cfg.checkpoint.async_save
+            else None
+        )
+        self._copied = None  # the CUDA event of the latest snapshot's copies
+        faults.before_crash = self._writer.join_all
 
     def status(self) -> SaveStatus:
         """What the heartbeat says about checkpoints."""
@@ -86,48 +110,76 @@ class Checkpointer:
 
     # ---- saving ----
 
+    def prepare(self) -> None:
+        """Allocate (and on CUDA page-lock) the background saves' host buffers on a thread,
+        once the optimizer's state exists (after the first step), so the first checkpoint does
+        not wait for gigabytes of host memory."""
+        if not (self.cfg.checkpoint.async_save and self.dist.writer) or self._prepare_started:
+            return
+        self._prepare_started = True
+        state, _ = self._checkpoint_state()
+        leaves = leaves_of(self.model.state_dict(), state)
+        self._prepared = Future()
+
+        def run() -> None:
+            try:
+                for buffers in self._buffers:
+                    buffers.prepare(leaves)
+                self._prepared.set_result(None)
+            except BaseException as e:  # told at the first save, which allocates instead
+                self._prepared.set_exception(e)
+
+        threading.Thread(target=run, name="m3run-checkpoint-buffers", daemon=True).start()
+
+    def before_update(self) -> None:
+        """Make the optimizer update about to be queued wait (on the GPU) for the copies of the
+        latest snapshot: the state it overwrites is the state that snapshot holds."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.dist.device).wait_event(self._copied)
+            self._copied = None
+
     def save(self) -> Path | None:
         """Checkpoint the current step.
 
         checkpoint.async_save=false: write it here (training stalls for the whole write) and
-        return its directory. async_save=true (the default): wait for the previous background
-        write if it is still running (that wait is stall too), copy model and optimizer state
-        into the reused host buffers, hand the write to the background thread and return None.
-        Either way the step is reported (heartbeat `last_checkpoint_step`, the "saved checkpoint"
-        line) only once the checkpoint is complete on disk: `poll_save()` reports a finished
-        background write before the next step, `finish_saves()` waits for it."""
+        return its directory. async_save=true (the default): copy model and optimizer state into
+        a free host buffer (waiting for the oldest write in flight when every buffer is still
+        being read: that wait is stall too), queue its write and return None. Either way the
+        step is reported (heartbeat `last_checkpoint_step`, the "saved checkpoint" line) only
+        once the checkpoint is complete on disk: `poll_save()` reports a finished background
+        write before the next step, `finish_saves()` waits for them."""
         telemetry = self.telemetry
         prev_phase = telemetry.phase
         telemetry.set_phase(WorkerPhase.CHECKPOINTING)
         t0 = time.perf_counter()
         background = self.cfg.checkpoint.async_save
-        if background:
-            self._wait_for_save()  # at most one write in flight: its buffers are reused below
         step, path, result = self.counters.state_dict()["step"], None, None
         if self.dist.writer:
             state, meta = self._checkpoint_state()
             model_state = self.model.state_dict()
             if background:
-                cpu_model, cpu_optim = ckpt_io.snapshot(
-                    model_state, state, buffers=self._snapshot_buffers
-                )
-                self._writer.submit(step, self._write_job(step, cpu_model, cpu_optim, meta))
+                self._save_in_background(step, model_state, state, meta)
             else:
-                cpu_model, cpu_optim = ckpt_io.snapshot(model_state, state)
-                result = ckpt_io.timed_write(
-                    step, self._write_job(step, cpu_model, cpu_optim, meta)
+                cpu_model, cpu_optim = snapshot(model_state, state)
+                snap = Snapshot(cpu_model, cpu_optim)
+                result = ckpt_bg.timed_write(
+                    step, lambda: self._write_job(step, snap, meta)(threading.Event())
                 )
                 path = result.path
         # Synchronous: no rank runs ahead of a checkpoint that is not on disk yet. Background:
-        # the other ranks only need this snapshot taken (and, by the wait above, the previous
-        # write complete); the write itself is not waited for here.
+        # the other ranks only need this snapshot taken; the write is not waited for here.
         self.dist.barrier()
         self.checkpoint_time_s = time.perf_counter() - t0
+        if self.dist.writer:
+            self._stall_s[step] = self.checkpoint_time_s
+        self.last_saved_step = step
         if not self.dist.writer:
-            if background:  # the writers finished the previous write before that barrier
-                if self._unconfirmed_step is not None:
-                    self.last_checkpoint_step = self._unconfirmed_step
-                self._unconfirmed_step = step
+            if background:
+                # The writers hold at most one write in flight per buffer besides this one:
+                # every older one is complete.
+                self._unconfirmed.append(step)
+                while len(self._unconfirmed) > len(self._buffers):
+                    self.last_checkpoint_step = self._unconfirmed.popleft()
             else:
                 self.last_checkpoint_step = step
         telemetry.set_phase(prev_phase)
@@ -135,9 +187,55 @@ class Checkpointer:
             self._report_saved(result)
         return path
 
+    def _save_in_background(self, step: int, model_state: dict, state: dict, meta: dict) -> None:
+        if self._prepared is not None:
+            try:
+                self._prepared.result()
+            except Exception as e:
+                print(
+                    f"warning: allocating the checkpoint buffers ahead failed ({e}); this "
+                    "save allocates them",
+                    flush=True,
+                )
+            self._prepared = None
+        while len(self._reading) >= len(self._buffers):  # every buffer is being read
+            self._say_disk_is_behind(step)
+            self._wait_for_save()
+        busy = {index for _, index in self._reading}
+        index = min(i for i in range(len(self._buffers)) if i not in busy)
+        buffers = self._buffers[index]
+        snap = buffers.fill(model_state, state, stream=self._copy_stream)
+        if buffers.pin_error and buffers.allocated_bytes:
+            print(
+                f"warning: the checkpoint buffers could not be page-locked "
+                f"({buffers.pin_error}); copies off the GPU run slower and stall training longer",
+                flush=True,
+            )
+        self._copied = snap.ready
+        self._writer.submit(step, self._write_job(step, snap, meta))
+        self._reading.append((step, index))
+
+    def _say_disk_is_behind(self, step: int) -> None:
+        """Once a run: checkpoint steps come faster than the disk writes them."""
+        oldest = self._writer.pending_step
+        if self._told_slow_disk or not self._longest_write_s or self._writer.cancelled(oldest):
+            return
+        self._told_slow_disk = True
+        n = len(self._buffers)
+        more = "set checkpoint.snapshot_buffers=2, " if n == 1 else ""
+        print(
+            f"warning: checkpoints come faster than this disk writes them: one took "
+            f"{self._longest_write_s:.1f}s to write, and at step {step} "
+            f"{'both host buffers were' if n == 2 else 'the host buffer was'} still being "
+            f"written (checkpoint.interval_steps={self.cfg.checkpoint.interval_steps}), so "
+            f"training waits for the disk. Fix: raise checkpoint.interval_steps, {more}or put "
+            "the run dir on a faster disk",
+            flush=True,
+        )
+
     def _checkpoint_state(self) -> tuple[dict, dict]:
         """(optim.pt state, meta.json fields) of the current step. The tensors in the state are
-        the live ones: `ckpt_io.snapshot` copies them before training goes on."""
+        the live ones: a snapshot copies them before training goes on."""
         device = self.dist.device
         rng = {"torch": torch.get_rng_state()}
         if device.type == "cuda":
@@ -165,21 +263,24 @@ class Checkpointer:
         }
         return state, meta
 
-    def _write_job(self, step: int, cpu_model: dict, cpu_optim: dict, meta: dict):
+    def _write_job(self, step: int, snap: Snapshot, meta: dict) -> ckpt_bg.Job:
         """The disk half of a save, on the writer thread or inline: the atomic triple, then
-        retention. Reads only the snapshot and values captured here, never the live trainer."""
+        retention. Reads only the snapshot (once its copies are complete) and values captured
+        here, never the live trainer."""
         run_dir, keep = self.run_dir, self.cfg.checkpoint.keep_last
         protect = {self.resumed_from} if self.resumed_from is not None else set()
         faults = self.faults
 
-        def job() -> Path:
-            path = ckpt_io.write_checkpoint(
+        def job(cancel: threading.Event) -> Path:
+            snap.wait()
+            path = write_checkpoint(
                 run_dir,
                 step,
-                cpu_model,
-                cpu_optim,
+                snap.model,
+                snap.optim,
                 meta,
-                before_meta=lambda: faults.during_save(step),
+                before_meta=lambda: faults.during_save(step, cancel),
+                cancel=cancel,
             )
             try:
                 ckpt.apply_retention(run_dir, keep, protect=protect)
@@ -193,44 +294,56 @@ class Checkpointer:
 
         return job
 
-    def _report_saved(self, result: ckpt_io.SaveResult) -> None:
+    def _report_saved(self, result: ckpt_bg.SaveResult) -> None:
         """The checkpoint of `result.step` is complete on disk: now, and only now, say so."""
         self.last_checkpoint_step = result.step
         self.checkpoint_write_s = result.write_s
         self._longest_write_s = max(self._longest_write_s, result.write_s)
+        stall = self._stall_s.pop(result.step, self.checkpoint_time_s) or 0.0
         if self.dist.writer:
             size = f"{result.bytes / 2**20:.1f} MiB"
             if self.cfg.checkpoint.async_save:
                 print(
                     f"saved checkpoint step {result.step} ({size}): training stalled "
-                    f"{self.checkpoint_time_s or 0.0:.2f}s, written in the background in "
-                    f"{result.write_s:.2f}s",
+                    f"{stall:.2f}s, written in the background in {result.write_s:.2f}s",
                     flush=True,
                 )
             else:
-                print(
-                    f"saved checkpoint step {result.step} in {self.checkpoint_time_s or 0.0:.2f}s "
-                    f"({size})",
-                    flush=True,
-                )
+                print(f"saved checkpoint step {result.step} in {stall:.2f}s ({size})", flush=True)
         self.telemetry.heartbeat(force=True)
 
+    def _collect(self) -> None:
+        """Hand over the oldest pending write, which has ended: report it complete, or say that
+        it was cancelled; CheckpointError when it failed. Its buffer is free again either way."""
+        step, _ = self._reading.popleft()
+        try:
+            result = self._writer.result()
+        except WriteCancelled:
+            self._stall_s.pop(step, None)
+            print(
+                f"checkpoint step {step} was not written: its write was cancelled, superseded "
+                f"by the save of step {self.last_saved_step}",
+                flush=True,
+            )
+            return
+        self._report_saved(result)
+
     def poll_save(self) -> None:
-        """Report a background write that finished since the last call; re-raise its failure
+        """Report the background writes that finished since the last call; re-raise a failure
         (CheckpointError) here, in the training loop, before the next step."""
-        if self._writer.finished():
-            self._report_saved(self._writer.result())
+        while self._writer.finished():
+            self._collect()
 
     def _wait_for_save(self) -> None:
-        """Block until the background write in flight (if any) is complete on disk and report
-        it; CheckpointError if it failed. A slow disk is not a hung worker, so the heartbeat goes
+        """Block until the oldest background write in flight (if any) has ended and collect it;
+        CheckpointError if it failed. A slow disk is not a hung worker, so the heartbeat goes
         on while waiting, but only up to max(10 min, 10 × the longest write so far): a write
         stuck longer than that stops the heartbeat and the supervisor's hang detection acts."""
         w, telemetry = self._writer, self.telemetry
         if w.pending_step is None:
             return
         prev_phase = telemetry.phase
-        if w.running():
+        if not w.finished() and not w.cancelled(w.pending_step):
             print(
                 f"waiting for checkpoint step {w.pending_step} to finish writing "
                 f"({w.elapsed_s:.1f}s so far)",
@@ -245,83 +358,47 @@ class Checkpointer:
                 telemetry.heartbeat(force=True)
         if telemetry.phase != prev_phase:
             telemetry.set_phase(prev_phase)
-        self._report_saved(w.result())
+        self._collect()
 
     def finish_saves(self) -> None:
         """Wait until no checkpoint write is in flight: the stop path, the end of training and a
         NaN rollback call this. Under DDP every rank then waits at a barrier for the writer
         ranks, so no rank exits (torchrun would tear the job down, write included) or reads
         checkpoints before the writes are complete."""
-        self._wait_for_save()
+        while self._writer.pending_step is not None:
+            self._wait_for_save()
         if self.dist.enabled:
             self.dist.barrier()
-        if self._unconfirmed_step is not None:  # non-writer ranks: the writers are done
-            self.last_checkpoint_step, self._unconfirmed_step = self._unconfirmed_step, None
+        if self._unconfirmed:  # non-writer ranks: the writers are done
+            self.last_checkpoint_step = self._unconfirmed[-1]
+            self._unconfirmed.clear()
+
+    def save_for_stop(self) -> None:
+        """A stop (SIGTERM, preemption): leave with the current step complete on disk, as soon
+        as the disk allows. A pending write of an older step is cancelled, since the stop's own
+        save supersedes it and would otherwise wait for it; with checkpoint.save_on_exit=false
+        the pending writes are finished instead and nothing new is saved."""
+        step = self.counters.state_dict()["step"]
+        if not self.cfg.checkpoint.save_on_exit:
+            self.finish_saves()
+            return
+        saved = step in (self.last_checkpoint_step, self.last_saved_step)
+        for older in self._writer.pending_steps:
+            if older != step and self._writer.cancel(older):
+                print(
+                    f"stop: cancelling the write of checkpoint step {older}, superseded by "
+                    f"step {step}",
+                    flush=True,
+                )
+        if not saved:
+            self.save()
+        self.finish_saves()
 
     def close(self) -> None:
-        """Exiting on an error with a write in flight: finish it, the state it holds is good."""
-        if self._writer.pending_step is None:
-            return
-        try:
-            self._writer.join()
-            self._report_saved(self._writer.result())
-        except ckpt.CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-
-    # ---- restoring ----
-
-    def load(self, path: Path) -> None:
-        """Restore everything from a checkpoint whose hashes were just verified. ConfigError
-        when its tensors do not fit this config's model (exit 78); UnloadableCheckpoint when
-        its contents cannot be read back (another structure, a refused unpickle)."""
-        try:
-            model_state, state, meta = ckpt_io.load_checkpoint(path, hashes_checked=True)
-        except ckpt.CheckpointError as e:
-            raise UnloadableCheckpoint(str(e)) from e
-        _check_fits(path, model_state, self.model.state_dict())
-        if meta.get("config_hash") not in (None, config_hash(self.cfg)) and not self.force:
-            print(
-                f"warning: checkpoint {path.name} was written under a different config "
-                "(model or schedule changes apply from here on)"
-            )
-        try:
-            self.model.load_state_dict(model_state)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.counters.load_state_dict(state)
-            self.loader.load_state_dict(state["data"])
-            torch.set_rng_state(state["rng"]["torch"])
-            device = self.dist.device
-            if device.type == "cuda" and state["rng"].get("cuda") is not None:
-                torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-            self.last_checkpoint_step = int(state["step"])
-        except (ConfigError, DataError):
-            raise
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise UnloadableCheckpoint(
-                f"{path / ckpt.OPTIM_FILE} does not hold what this m3run writes "
-                f"({type(e).__name__}: {e})"
-            ) from e
-
-
-class UnloadableCheckpoint(Exception):
-    """A checkpoint whose digests match but whose contents cannot be loaded back."""
-
-
-def _check_fits(path: Path, saved: dict, model: dict) -> None:
-    """ConfigError naming every tensor of `saved` that does not fit the model."""
-    problems = [f"{k}: missing from the checkpoint" for k in sorted(set(model) - set(saved))]
-    problems += [f"{k}: not in the model" for k in sorted(set(saved) - set(model))]
-    problems += [
-        f"{k}: {tuple(saved[k].shape)} in the checkpoint, {tuple(model[k].shape)} in the model"
-        for k in sorted(set(model) & set(saved))
-        if tuple(saved[k].shape) != tuple(model[k].shape)
-    ]
-    if problems:
-        shown = "; ".join(problems[:6]) + (
-            f"; … {len(problems) - 6} more" if len(problems) > 6 else ""
-        )
-        raise ConfigError(
-            f"checkpoint {path} does not fit the model this config builds ({shown}). Fix: "
-            "resume with the config it was written with, or start over with "
-            "--resume none --force"
-        )
+        """Exiting on an error with writes in flight: finish them, the state they hold is good."""
+        while self._writer.pending_step is not None:
+            try:
+                self._writer.join()
+                self._collect()
+            except ckpt.CheckpointError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)

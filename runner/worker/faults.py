@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,13 +129,16 @@ class Faults:
     def slow_save(self) -> float:
         return float(self.spec.get("slow_save", 0.0))
 
-    def during_save(self, step: int) -> None:
-        """Called mid-write (data files written, meta.json not yet), on the writer's thread."""
+    def during_save(self, step: int, cancel: threading.Event | None = None) -> None:
+        """Called mid-write (data files written, meta.json not yet), on the writer's thread. A
+        slow or held write ends early once `cancel` is set, as a real one stops at its next
+        block."""
+        cancel = cancel or threading.Event()
         if self.slow_save:
-            time.sleep(self.slow_save)
+            cancel.wait(self.slow_save)
         if "hold_save" in self.spec:  # until the test creates the file (bounded: never a hang)
             release, deadline = Path(self.spec["hold_save"]), time.monotonic() + HOLD_SAVE_MAX_S
-            while not release.exists() and time.monotonic() < deadline:
+            while not release.exists() and time.monotonic() < deadline and not cancel.is_set():
                 time.sleep(0.02)
         if self._once("stall_save_at_step", step):
             print(f"[fault] checkpoint write of step {step} stalls mid-write", flush=True)

@@ -116,15 +116,13 @@ def run(
 
 
 def _stop(trainer: Trainer) -> int:
-    """SIGTERM/SIGINT: the write in flight completes, then the stop step is saved (unless it is
-    that one) and waited for. Exit 75 only with that checkpoint complete on disk."""
+    """SIGTERM/SIGINT: the stop step is saved (unless it is already) and waited for, a pending
+    write of an older step cancelled (Checkpointer.save_for_stop). Exit 75 only with that
+    checkpoint complete on disk."""
     trainer.set_phase(WorkerPhase.STOPPING)
     saves = trainer.checkpointer
     try:
-        saves.finish_saves()
-        if trainer.cfg.checkpoint.save_on_exit and saves.last_checkpoint_step != trainer.step:
-            saves.save()
-            saves.finish_saves()
+        saves.save_for_stop()
     except ckpt.CheckpointError as e:
         return _save_failed(trainer, e)
     trainer.set_phase(WorkerPhase.STOPPED)

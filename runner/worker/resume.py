@@ -21,8 +21,9 @@ from m3run.runner.checkpoint import layout as ckpt
 from m3run.runner.config import ConfigError
 from m3run.runner.protocol import CHECKPOINTS_DIR, WorkerPhase
 
-from .checkpointing import Checkpointer, UnloadableCheckpoint
+from .checkpointing import Checkpointer
 from .dist import Dist
+from .restore import UnloadableCheckpoint, restore
 from .telemetry import Telemetry
 
 
@@ -81,7 +82,7 @@ class Resume:
     def _load(self, info: ckpt.CheckpointInfo) -> None:
         self.telemetry.set_phase(WorkerPhase.LOADING)
         try:
-            self.checkpointer.load(info.path)
+            restore(self.checkpointer, info.path)
         finally:
             self.telemetry.set_phase(WorkerPhase.STARTUP)
 

@@ -298,7 +298,9 @@ class Trainer:
         # The logged loss is the mean over every micro-batch of the step, on every rank.
         mean = self.dist.all_sum(loss_sum) / t.grad_accum_steps
         # Clipped to train.grad_clip as the update runs; no update when either number is
-        # non-finite; the gradients are dropped either way.
+        # non-finite; the gradients are dropped either way. The update overwrites the state a
+        # checkpoint's copy may still be reading.
+        self.checkpointer.before_update()
         queued = self.update.queue(mean, grad_norm, t.grad_clip)
         if self._runs_ahead(step):
             self.excursions.skip_windows(self.loader, self.local_accum)
@@ -376,6 +378,7 @@ class Trainer:
             self.excursions.good_step()
             if "first_step_end" not in self.startup_times:
                 self._record_startup()
+                saves.prepare()  # the optimizer's state exists now
             window_steps += 1
             telemetry.last.update(out)
             if self.step % cfg.log.interval_steps == 0 or self.step == t.total_steps:

@@ -23,14 +23,15 @@ import torch
 from helpers.runs import DEMO_CONFIG, tiny_run_overrides, worker_env
 from helpers.training import train_losses, worker_cmd
 
-from m3run.runner.checkpoint.io import BackgroundWriter, SnapshotBuffers, snapshot, write_checkpoint
+from m3run.runner.checkpoint.background import BackgroundWriter
 from m3run.runner.checkpoint.layout import (
     CheckpointError,
     checkpoint_dir,
-    latest_complete,
     list_checkpoints,
     verify_checkpoint,
 )
+from m3run.runner.checkpoint.snapshot import SnapshotBuffers, snapshot
+from m3run.runner.checkpoint.write import WriteCancelled, write_checkpoint
 from m3run.runner.files import read_json, read_jsonl
 
 # --------------------------------------------------------------------------- in process
@@ -87,33 +88,48 @@ def test_buffered_snapshot_reuses_its_buffers_and_writes_the_same_bytes(tmp_path
 
     model["extra"] = torch.zeros(3)
     model["w"] = torch.zeros(4, 4)  # shape changed: reallocated
-    snapshot(model, optim, buffers=buffers)
-    assert buffers.allocated_bytes == (3 + 16) * 4
+    m3, o3 = snapshot(model, optim, buffers=buffers)
+    assert buffers.allocated_bytes == buffers.nbytes > 0
+    assert torch.equal(m3["w"], model["w"]) and torch.equal(m3["extra"], model["extra"])
+    # Every tensor is a storage of its own (torch.save writes each one alone), the whole state
+    # one allocation no larger than the tensors with their 64-byte alignment.
+    leaves = [*m3.values(), o3["optimizer"]["state"][0]["exp_avg"], o3["rng"]["torch"]]
+    assert len({t.untyped_storage().data_ptr() for t in leaves}) == len(leaves)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in leaves)
+    exact = sum(-(-(t.numel() * t.element_size()) // 64) * 64 for t in leaves) + 64
+    assert buffers.nbytes <= exact
 
 
-def test_background_writer_hands_over_results_once_and_reraises_failures(tmp_path) -> None:
+def test_background_writer_runs_writes_in_order_and_reraises_failures(tmp_path) -> None:
     writer = BackgroundWriter()
     release = threading.Event()
-    target = tmp_path / "ckpt"
+    order: list[int] = []
 
-    def slow_job() -> Path:
-        release.wait(10)
-        target.mkdir()
-        (target / "f").write_bytes(b"x" * 10)
-        return target
+    def job_for(step: int):
+        def job(cancel: threading.Event) -> Path:
+            release.wait(10)
+            order.append(step)
+            target = tmp_path / f"ckpt{step}"
+            target.mkdir()
+            (target / "f").write_bytes(b"x" * step)
+            return target
 
-    writer.submit(3, slow_job)
-    assert writer.pending_step == 3 and writer.running() and not writer.finished()
-    with pytest.raises(RuntimeError, match="step 3 has not been collected"):
-        writer.submit(4, slow_job)
+        return job
+
+    writer.submit(3, job_for(3))
+    writer.submit(4, job_for(4))  # queued behind step 3, never beside it
+    assert writer.pending_steps == [3, 4] and writer.running() and not writer.finished()
     assert not writer.join(timeout=0.05)
     release.set()
     assert writer.join()
     result = writer.result()
-    assert (result.step, result.path, result.bytes) == (3, target, 10) and result.write_s > 0
+    assert (result.step, result.path, result.bytes) == (3, tmp_path / "ckpt3", 3)
+    assert result.write_s > 0
+    writer.join()
+    assert writer.result().step == 4 and order == [3, 4]
     assert writer.pending_step is None and not writer.finished()
 
-    def failing_job() -> Path:
+    def failing_job(cancel: threading.Event) -> Path:
         raise CheckpointError("could not write checkpoint for step 4 under X: [Errno 28] full")
 
     writer.submit(4, failing_job)
@@ -122,7 +138,7 @@ def test_background_writer_hands_over_results_once_and_reraises_failures(tmp_pat
         writer.result()
     assert writer.pending_step is None
 
-    def buggy_job() -> Path:
+    def buggy_job(cancel: threading.Event) -> Path:
         raise TypeError("bad value")
 
     writer.submit(5, buggy_job)
@@ -130,6 +146,86 @@ def test_background_writer_hands_over_results_once_and_reraises_failures(tmp_pat
     with pytest.raises(CheckpointError, match="step 5 failed with TypeError: bad value") as e:
         writer.result()
     assert isinstance(e.value.__cause__, TypeError)
+
+
+def test_a_cancelled_write_stops_and_one_not_yet_started_never_starts(tmp_path) -> None:
+    writer = BackgroundWriter()
+    started, ran = threading.Event(), []
+
+    def running_job(cancel: threading.Event) -> Path:
+        started.set()
+        assert cancel.wait(10)  # a long write that checks its flag between blocks
+        raise WriteCancelled(6)
+
+    def queued_job(cancel: threading.Event) -> Path:
+        ran.append(7)
+        return tmp_path
+
+    writer.submit(6, running_job)
+    writer.submit(7, queued_job)
+    assert started.wait(10)
+    assert writer.cancel(6) and writer.cancel(7) and not writer.cancel(8)
+    writer.join_all()
+    for step in (6, 7):
+        with pytest.raises(WriteCancelled, match=f"step {step} was cancelled"):
+            writer.result()
+    assert ran == [] and writer.pending_step is None
+
+
+def test_write_checkpoint_cancelled_midway_leaves_nothing_and_keeps_the_old_one(tmp_path) -> None:
+    model, optim = snapshot(*_states(1))
+    first = write_checkpoint(tmp_path, 5, model, optim, {})
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    cancel = threading.Event()
+
+    def cancel_now() -> None:  # the data files are written: the flag stops it before meta.json
+        cancel.set()
+
+    with pytest.raises(WriteCancelled, match="step 5 was cancelled"):
+        write_checkpoint(tmp_path, 5, model, optim, {}, before_meta=cancel_now, cancel=cancel)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [first.name]
+    cancel = threading.Event()
+    cancel.set()  # set before it starts: stops at the first block
+    with pytest.raises(WriteCancelled):
+        write_checkpoint(tmp_path, 6, model, optim, {}, cancel=cancel)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [first.name]
+
+
+def test_model_file_is_safetensors_as_the_library_reads_it(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(70, 3, generator=g),
+        "h": torch.randn(5, generator=g).to(torch.bfloat16),
+        "half": torch.randn(3, 2, generator=g).to(torch.float16),
+        "d": torch.randn(2, generator=g, dtype=torch.float64),
+        "ids": torch.arange(7),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "mask": torch.tensor([True, False, True]),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    cpu_model, cpu_optim = snapshot(state, {})
+    path = write_checkpoint(tmp_path, 1, cpu_model, cpu_optim, {}) / "model.safetensors"
+    loaded = load_file(path)
+    assert loaded.keys() == state.keys()
+    for k, t in state.items():
+        assert loaded[k].dtype == t.dtype and torch.equal(loaded[k], t), k
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0  # padded, so the data starts aligned as the library aligns it
+
+
+def test_a_dtype_safetensors_cannot_name_is_refused_before_writing(tmp_path: Path) -> None:
+    cpu_model, cpu_optim = snapshot({"z": torch.zeros(2, dtype=torch.complex64)}, {})
+    with pytest.raises(ValueError, match=r"model_state\['z'\] is torch.complex64"):
+        write_checkpoint(tmp_path, 1, cpu_model, cpu_optim, {})
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
 @pytest.mark.cuda
@@ -157,6 +253,46 @@ def test_cuda_snapshot_lands_in_reused_pinned_buffers(tmp_path: Path) -> None:
     pinned, fresh = checkpoint_dir(tmp_path / "pinned", 1), checkpoint_dir(tmp_path / "fresh", 1)
     assert (pinned / "optim.pt").read_bytes() == (fresh / "optim.pt").read_bytes()
     assert (pinned / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_snapshot_on_a_side_stream_holds_its_steps_state_while_training_goes_on(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)
+    ).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    x = torch.randn(256, 512, device="cuda")
+
+    def train_step(wait=None) -> None:
+        net(x).square().mean().backward()
+        if wait is not None:  # the worker's rule: the update waits for the copy, on the GPU
+            torch.cuda.current_stream().wait_event(wait)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_step()
+    train_step()
+    want_m, want_o = snapshot(net.state_dict(), {"optimizer": opt.state_dict()})
+    buffers, stream = SnapshotBuffers(), torch.cuda.Stream()
+    snap = buffers.fill(net.state_dict(), {"optimizer": opt.state_dict()}, stream=stream)
+    assert snap.ready is not None and buffers.pinned, buffers.pin_error
+    train_step(wait=snap.ready)  # queued at once: the host does not wait for the copy
+    train_step()
+    snap.wait()
+    for k, t in want_m.items():
+        assert torch.equal(snap.model[k], t), k
+        assert not torch.equal(net.state_dict()[k].cpu(), t), k  # training went on
+    for i, moments in want_o["optimizer"]["state"].items():
+        for name, t in moments.items():
+            assert torch.equal(snap.optim["optimizer"]["state"][i][name], t), (i, name)
+    for name, (cm, co) in {"stream": (snap.model, snap.optim), "sync": (want_m, want_o)}.items():
+        (tmp_path / name).mkdir()
+        write_checkpoint(tmp_path / name, 2, cm, co, {})
+    ours, sync = checkpoint_dir(tmp_path / "stream", 2), checkpoint_dir(tmp_path / "sync", 2)
+    assert (ours / "optim.pt").read_bytes() == (sync / "optim.pt").read_bytes()
+    assert (ours / "model.safetensors").read_bytes() == (sync / "model.safetensors").read_bytes()
 
 
 # --------------------------------------------------------------------------- real workers
@@ -257,23 +393,23 @@ def test_async_and_sync_saves_write_bitwise_identical_checkpoints(corpus, tmp_pa
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_complete(
+def test_sigterm_during_a_background_write_cancels_it_and_exits_75_with_the_stop_step(
     corpus, tmp_path
 ):
-    run_dir = tmp_path / "run"
+    run_dir, release = tmp_path / "run", tmp_path / "release"
     ov = _overrides(corpus, **{"train.total_steps": 40})
     proc = subprocess.Popen(
         worker_cmd(run_dir, ov),
-        # The worker holds before step 7 until the SIGTERM: the stop comes before the step-10
-        # save, which would wait for step 5's write (that wait is stall too).
-        env=_env("slow_save=3.0,hold_at_step=7"),
+        # Every write holds before meta.json until `release` exists (or it is cancelled); the
+        # worker holds before step 7 until the SIGTERM, so the stop comes while step 5's write
+        # is in flight.
+        env=_env(f"hold_save={release},hold_at_step=7"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     watch = HeartbeatWatch(run_dir)
     try:
-        # Training has gone past a checkpoint step whose write is still in flight.
         hb = watch.run(
             proc,
             until=lambda hb: (
@@ -286,6 +422,13 @@ def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_comp
         in_flight = hb["checkpoint_in_flight_step"]
         assert not verify_checkpoint(checkpoint_dir(run_dir, in_flight))[0]
         proc.send_signal(signal.SIGTERM)
+        # Step 5's write is cancelled, not waited for: the stop's own write is the one in
+        # flight next, and only it is released.
+        hb = watch.run(
+            proc, until=lambda hb: hb.get("checkpoint_in_flight_step") not in (None, in_flight)
+        )
+        assert hb is not None, "the stop's save never came in flight"
+        release.touch()
         watch.run(proc)
         out = proc.communicate(timeout=120)[0]
     finally:
@@ -296,19 +439,59 @@ def test_sigterm_during_a_slow_background_write_exits_75_with_the_stop_step_comp
     )
     # After step 6 (the signal came before the hold) or 7 (it released the hold).
     assert in_flight == 5 and stopped_at in (6, 7), (in_flight, stopped_at)
-    assert f"waiting for checkpoint step {in_flight} to finish writing" in out
-    assert latest_complete(run_dir).step == stopped_at
-    assert {in_flight, stopped_at} <= set(_complete_steps(run_dir))
+    assert (
+        f"stop: cancelling the write of checkpoint step 5, superseded by step {stopped_at}" in out
+    )
+    assert "checkpoint step 5 was not written: its write was cancelled" in out
+    assert "waiting for checkpoint step 5" not in out
+    assert _complete_steps(run_dir) == [stopped_at]
     _no_leftovers(run_dir)
     final = read_json(run_dir / "heartbeat.json")
     assert final["phase"] == "stopped" and final["last_checkpoint_step"] == stopped_at
     assert final["checkpoint_in_flight_step"] is None
-    # The stall is the snapshot; the 3 s write happened beside it.
-    assert final["checkpoint_write_s"] >= 3.0 and final["checkpoint_time_s"] < 1.5
     assert not watch.incomplete, watch.incomplete
-    # The heartbeat never named the in-flight step before its write was complete.
-    reported = [s["last_checkpoint_step"] for s in watch.samples]
-    assert in_flight in reported and stopped_at in reported
+    assert {s["last_checkpoint_step"] for s in watch.samples} <= {None, stopped_at}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_a_checkpoint_step_during_a_write_copies_into_the_other_buffer(corpus, tmp_path, buffers):
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    ov = _overrides(corpus, **{"train.total_steps": 14, "checkpoint.snapshot_buffers": buffers})
+    proc = subprocess.Popen(
+        worker_cmd(run_dir, ov),
+        env=_env(f"hold_save={release}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watch = HeartbeatWatch(run_dir)
+    try:
+        if buffers == 2:
+            # Step 10's save queues behind step 5's held write: training goes on past it (with
+            # one buffer it could not, and this would time out).
+            def until(hb):
+                return hb["step"] >= 11 and hb["checkpoint_in_flight_step"] == 5
+        else:  # step 10's save waits for step 5's write, training held
+
+            def until(hb):
+                return hb["step"] == 10 and hb["phase"] == "checkpointing"
+
+        hb = watch.run(proc, until=until)
+        assert hb is not None, "the worker exited before the second checkpoint step"
+        release.touch()
+        watch.run(proc)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert _complete_steps(run_dir) == [5, 10, 14]
+    if buffers == 1:
+        assert "waiting for checkpoint step 5 to finish writing" in out
+    saved = re.findall(r"saved checkpoint step (\d+)", out)
+    assert saved == ["5", "10", "14"]  # reported in order, each once complete
+    assert not watch.incomplete, watch.incomplete
+    _no_leftovers(run_dir)
 
 
 @pytest.mark.slow

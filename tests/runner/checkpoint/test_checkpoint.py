@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from m3run.runner.checkpoint.io import load_checkpoint, save_checkpoint, snapshot, write_checkpoint
+from m3run.runner.checkpoint.io import load_checkpoint, save_checkpoint
 from m3run.runner.checkpoint.layout import (
     VERIFIED_FILE,
     CheckpointError,
@@ -30,6 +30,8 @@ from m3run.runner.checkpoint.layout import (
     list_checkpoints,
     verify_checkpoint,
 )
+from m3run.runner.checkpoint.snapshot import snapshot
+from m3run.runner.checkpoint.write import write_checkpoint
 from m3run.runner.files import sha256_file
 
 
@@ -500,7 +502,8 @@ _WRITER = textwrap.dedent(
     import sys
     import torch
     from m3run.runner.checkpoint.layout import apply_retention
-    from m3run.runner.checkpoint.io import snapshot, write_checkpoint
+    from m3run.runner.checkpoint.snapshot import snapshot
+    from m3run.runner.checkpoint.write import write_checkpoint
 
     run_dir, counter = sys.argv[1], int(sys.argv[2])
     n = 1 << 19  # model 8 MiB + optimizer 16 MiB: big enough that a kill lands mid-write

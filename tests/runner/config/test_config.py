@@ -452,6 +452,7 @@ LEGACY = [
     ("train", "deterministic", False, False),
     ("supervisor", "tune_scan", False, True),
     ("model", "A_activation", "softplus", "heavy_tail"),
+    ("checkpoint", "snapshot_buffers", 2, 2),
 ]
 
 
@@ -463,6 +464,7 @@ def test_deterministic_is_off_by_default_and_in_the_hash_only_when_on():
     dump = cfg.model_dump(mode="json")  # off, it hashes as configs did before the key existed
     assert "deterministic" in dump["train"]
     del dump["train"]["deterministic"], dump["train"]["compile_scope"]
+    del dump["checkpoint"]["snapshot_buffers"]  # at its legacy value, as every key above
     assert (
         config_hash(apply_overrides(cfg, ["train.compile_scope=model"]))
         == hashlib.sha256(
