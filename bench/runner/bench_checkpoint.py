@@ -8,11 +8,15 @@ so both moments exist), then saves it the way the worker does, alternating the t
 
 * sync:  snapshot into fresh CPU tensors, write the triple (fsync'd, meta.json last, renamed into
   place), apply retention; training waits for all of it.
-* async: snapshot into host buffers allocated once and reused (pinned on CUDA); the write and
-  retention run on the background writer thread. Training waits for the snapshot only.
+* async: the worker's background save: on CUDA the copy into host buffers allocated once (one
+  page-locked allocation) is queued on a stream of its own and the next optimizer update waits
+  for it on the GPU; the write and retention run on the background writer thread. Training
+  waits only to queue the copy.
 
-The stall is wall time from the save call until training could go on. The first async save
-allocates the buffers and is reported on its own. With --train-steps N (default 10 on CUDA), the
+The stall is wall time from the save call until training could go on; the copy off the GPU is
+reported beside it (the time until its event passes, with nothing else queued). The buffers are
+allocated (and pinned) before the first save, as the worker does after its first step, and that
+time is reported on its own. With --train-steps N (default 10 on CUDA), the
 step time is measured alone (N steps after each async save) and while a background write is in
 flight: what the background write still costs training (CPU, memory bandwidth, the GIL). The
 checkpoints go to DIR/checkpoints (retention keeps the newest 2), deleted at the end unless
@@ -40,8 +44,18 @@ if str(REPO) not in sys.path:
 from m3run.model import Mamba3LM  # noqa: E402
 from m3run.model.config import ModelConfig  # noqa: E402
 from m3run.model.lm import param_groups  # noqa: E402
-from m3run.runner.checkpoint import io as ckpt  # noqa: E402
+from m3run.runner.checkpoint.background import (  # noqa: E402
+    BackgroundWriter,
+    timed_write,
+)
 from m3run.runner.checkpoint.layout import apply_retention  # noqa: E402
+from m3run.runner.checkpoint.snapshot import (  # noqa: E402
+    Snapshot,
+    SnapshotBuffers,
+    leaves_of,
+    snapshot,
+)
+from m3run.runner.checkpoint.write import write_checkpoint  # noqa: E402
 from m3run.runner.protocol import CHECKPOINTS_DIR  # noqa: E402
 
 KEEP_LAST = 2
@@ -75,6 +89,7 @@ class Setup:
             else contextlib.nullcontext()
         )
         self.step = 0
+        self.copied = None  # the CUDA event the next update waits for (the worker's rule)
         self.train_step()  # moments exist from here on
 
     def train_step(self) -> None:
@@ -83,6 +98,9 @@ class Setup:
         with self.autocast:
             loss = self.model(x, y)
         loss.backward()
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            self.copied = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -106,9 +124,10 @@ class Setup:
         return self.model.state_dict(), state, {"bench": "bench_checkpoint.py"}
 
 
-def _job(run_dir: Path, step: int, cpu_model: dict, cpu_optim: dict, meta: dict):
-    def job() -> Path:
-        path = ckpt.write_checkpoint(run_dir, step, cpu_model, cpu_optim, meta)
+def _job(run_dir: Path, step: int, snap: Snapshot, meta: dict):
+    def job(cancel=None) -> Path:
+        snap.wait()
+        path = write_checkpoint(run_dir, step, snap.model, snap.optim, meta, cancel=cancel)
         apply_retention(run_dir, KEEP_LAST)
         return path
 
@@ -119,9 +138,9 @@ def save_sync(s: Setup, run_dir: Path, step: int) -> dict:
     _sync(s.device)
     t0 = time.perf_counter()
     model_state, state, meta = s.states()
-    cpu_model, cpu_optim = ckpt.snapshot(model_state, state)
+    snap = Snapshot(*snapshot(model_state, state))
     t_snap = time.perf_counter() - t0
-    result = ckpt.timed_write(step, _job(run_dir, step, cpu_model, cpu_optim, meta))
+    result = timed_write(step, _job(run_dir, step, snap, meta))
     stall = time.perf_counter() - t0
     return {
         "stall_s": stall,
@@ -135,16 +154,20 @@ def save_async(
     s: Setup,
     run_dir: Path,
     step: int,
-    buffers: ckpt.SnapshotBuffers,
-    writer: ckpt.BackgroundWriter,
+    buffers: SnapshotBuffers,
+    writer: BackgroundWriter,
     train_steps: int,
+    stream,
 ) -> dict:
     _sync(s.device)
     t0 = time.perf_counter()
     model_state, state, meta = s.states()
-    cpu_model, cpu_optim = ckpt.snapshot(model_state, state, buffers=buffers)
-    writer.submit(step, _job(run_dir, step, cpu_model, cpu_optim, meta))
+    snap = buffers.fill(model_state, state, stream=stream)
+    s.copied = snap.ready
+    writer.submit(step, _job(run_dir, step, snap, meta))
     stall = time.perf_counter() - t0
+    snap.wait()
+    copy_s = time.perf_counter() - t0
     allocated = buffers.allocated_bytes
     # Train while the write is in flight (the state's buffers are no longer the live tensors).
     step_times = []
@@ -156,6 +179,7 @@ def save_async(
     result = writer.result()
     return {
         "stall_s": stall,
+        "copy_s": copy_s,
         "write_s": result.write_s,
         "bytes": result.bytes,
         "allocated_bytes": allocated,
@@ -243,17 +267,22 @@ def main() -> int:
 
     for _ in range(3 if train_steps else 0):  # warm-up (autotuning, allocator), not timed
         s.train_step()
-    buffers, writer = ckpt.SnapshotBuffers(), ckpt.BackgroundWriter()
+    buffers, writer = SnapshotBuffers(), BackgroundWriter()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    model_state, state, _ = s.states()
+    buffers.prepare(leaves_of(model_state, state))
+    prepare_s = time.perf_counter() - t0
     step = 0
     try:
         step += 1
-        first = save_async(s, run_dir, step, buffers, writer, train_steps)
+        first = save_async(s, run_dir, step, buffers, writer, train_steps, stream)
         syncs, asyncs = [], []
         for _ in range(a.reps):  # alternate, so the page cache and disk state favour neither
             step += 1
             syncs.append(save_sync(s, run_dir, step))
             step += 1
-            asyncs.append(save_async(s, run_dir, step, buffers, writer, train_steps))
+            asyncs.append(save_async(s, run_dir, step, buffers, writer, train_steps, stream))
             steps_alone()  # the reference step time, interleaved with the saves
     finally:
         with contextlib.suppress(Exception):
@@ -264,10 +293,15 @@ def main() -> int:
 
     n_bytes = asyncs[-1]["bytes"]
     print(f"checkpoint size: {_gb(n_bytes)} on disk (model.safetensors + optim.pt + meta.json)")
+    pinned = (
+        " pinned"
+        if buffers.pinned
+        else (f" NOT pinned: {buffers.pin_error}" if buffers.pin_error else "")
+    )
     print(
-        f"host buffers: {_gb(buffers.nbytes)}{' pinned' if device.type == 'cuda' else ''}, "
-        f"allocated once by the first async save (stall {first['stall_s']:.3f} s, later "
-        f"saves allocate {_gb(max(r['allocated_bytes'] for r in asyncs))})"
+        f"host buffers: {_gb(buffers.nbytes)}{pinned}, allocated once before the first save in "
+        f"{prepare_s:.3f} s (first save's stall {first['stall_s']:.3f} s, later saves "
+        f"allocate {_gb(max(r['allocated_bytes'] for r in asyncs))})"
     )
     print()
     print(f"{'seconds':<22} {'reps':>4}  {'mean':>9}  {'max':>9}")
@@ -275,6 +309,7 @@ def main() -> int:
     print(_row("  of which snapshot", syncs, "snapshot_s"))
     print(_row("  of which write", syncs, "write_s"))
     print(_row("async stall", asyncs, "stall_s"))
+    print(_row("async copy off the GPU", asyncs, "copy_s"))
     print(_row("async background write", asyncs, "write_s"))
     sync_stall = statistics.mean(r["stall_s"] for r in syncs)
     async_stall = statistics.mean(r["stall_s"] for r in asyncs)
@@ -298,7 +333,9 @@ def main() -> int:
             "device": where,
             "params": s.n_params,
             "bytes": n_bytes,
-            "pinned_bytes": buffers.nbytes,
+            "buffer_bytes": buffers.nbytes,
+            "pinned": buffers.pinned,
+            "prepare_s": prepare_s,
             "first_async": first,
             "sync": syncs,
             "async": asyncs,

@@ -4,8 +4,8 @@
 
 The state is shaped like the worker's for the preset (the model's tensors, AdamW's two moments
 and step counts, in CPU memory as a snapshot leaves them; random values), so no GPU is needed:
-the write path starts from host memory. Alternating, so the page cache and the disk's state
-favour neither:
+the write path starts from host memory (the snapshot buffers, as in the worker). Alternating, so
+the page cache and the disk's state favour neither:
 
 * raw:   the same number of bytes written to one file in 16 MiB writes, one fsync: what this
          disk does at best from one writer.
@@ -33,7 +33,8 @@ if str(REPO) not in sys.path:
 
 from m3run.model import Mamba3LM  # noqa: E402
 from m3run.model.config import ModelConfig  # noqa: E402
-from m3run.runner.checkpoint import io as ckpt  # noqa: E402
+from m3run.runner.checkpoint.snapshot import SnapshotBuffers  # noqa: E402
+from m3run.runner.checkpoint.write import write_checkpoint  # noqa: E402
 from m3run.runner.protocol import CHECKPOINTS_DIR  # noqa: E402
 
 _RAW_BLOCK = 16 << 20
@@ -91,8 +92,10 @@ def main() -> int:
         print(f"error: {run_dir / CHECKPOINTS_DIR} exists; use an empty --dir", file=sys.stderr)
         return 2
 
-    model_state, optim_state = states(a.preset)
-    probe = ckpt.write_checkpoint(run_dir, 1, model_state, optim_state, {})
+    # Written from the host buffers a snapshot fills, as the worker's background write is.
+    snap = SnapshotBuffers().fill(*states(a.preset))
+    model_state, optim_state = snap.model, snap.optim
+    probe = write_checkpoint(run_dir, 1, model_state, optim_state, {})
     n_bytes = sum(f.stat().st_size for f in probe.iterdir())
     shutil.rmtree(run_dir / CHECKPOINTS_DIR)
     data = memoryview(torch.empty(n_bytes, dtype=torch.uint8).numpy()).cast("B")
@@ -106,7 +109,7 @@ def main() -> int:
         for rep in range(a.reps):
             raws.append(raw_write(run_dir / "raw.bin", data))
             t0 = time.perf_counter()
-            ckpt.write_checkpoint(run_dir, 2 + rep, model_state, optim_state, {})
+            write_checkpoint(run_dir, 2 + rep, model_state, optim_state, {})
             writes.append(time.perf_counter() - t0)
             shutil.rmtree(run_dir / CHECKPOINTS_DIR)
     finally:
