@@ -16,7 +16,14 @@ from helpers.launching import Run, overrides
 from helpers.run_dirs import invoke
 
 from m3run.runner.files import read_json, read_jsonl
-from m3run.runner.protocol import EVENTS_FILE, EXIT_OK, SMOKE_PROGRESS_FILE, SmokeProgress
+from m3run.runner.protocol import (
+    EVENTS_FILE,
+    EXIT_OK,
+    SMOKE_PROGRESS_FILE,
+    SmokeProgress,
+    SmokeVerdict,
+    StopSaveFigures,
+)
 from m3run.runner.supervisor.preflight import SmokeTest
 
 
@@ -69,6 +76,18 @@ def test_smoke_runs_again_on_request_another_config_data_or_device():
     assert "another device (GPU-b; the last smoke test passed on GPU-a)" in smoke.reason_to_run(
         passed, "h1", "GPU-b", "d1"
     )
+
+
+def test_a_smoke_verdict_written_before_the_stop_save_figures_still_reads():
+    old = {"ok": True, "message": "6 checks passed, 2 skipped", "checks": []}
+    verdict = SmokeVerdict.from_dict(old)
+    assert verdict is not None and verdict.ok and verdict.stop_save is None
+    figures = StopSaveFigures(checkpoint_bytes=5_220_000_000, write_bytes_per_s=4.7e8)
+    new = SmokeVerdict(ok=True, message="ok", stop_save=figures)
+    assert SmokeVerdict.from_dict(json.loads(json.dumps(new.to_dict()))) == new
+    # A damaged figure reads as none measured, never as a crash or a zero speed.
+    for bad in ({"checkpoint_bytes": "5 GB", "write_bytes_per_s": 4.7e8}, {"write_bytes_per_s": 0}):
+        assert SmokeVerdict.from_dict({**old, "stop_save": bad}).stop_save is None
 
 
 def test_data_prepared_again_under_the_same_paths_is_smoke_tested_again(corpus, tmp_path):
