@@ -276,7 +276,7 @@ def test_provider_none_sends_nothing_and_bad_settings_are_named() -> None:
 
 
 def test_the_save_budget_against_each_providers_notice() -> None:
-    from m3run.runner.supervisor.preemption import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
+    from m3run.runner.supervisor.save_budget import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
 
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, None) is None  # no checkpoint yet
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, 12.0) is None  # 19.4 s of 30: fits
