@@ -15,10 +15,12 @@ import pytest
 from helpers.launching import Run, overrides
 from helpers.run_dirs import invoke
 
+from m3run.runner.checkpoint.layout import DATA_FILES, list_checkpoints
 from m3run.runner.files import read_json, read_jsonl
 from m3run.runner.protocol import (
     EVENTS_FILE,
     EXIT_OK,
+    SMOKE_FILE,
     SMOKE_PROGRESS_FILE,
     SmokeProgress,
     SmokeVerdict,
@@ -60,6 +62,11 @@ def test_smoke_runs_on_first_launch_and_is_skipped_on_an_unchanged_relaunch(corp
     assert second.startswith("skipped: it passed for this config on host:"), second
     assert "--smoke" in second
     assert _first_workers(run_dir) == [True, False]
+    # What the smoke test said a full checkpoint of this run weighs is what the run wrote.
+    figures = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE)).stop_save
+    for ckpt in list_checkpoints(run_dir):
+        written = sum((ckpt.path / name).stat().st_size for name in DATA_FILES)
+        assert abs(figures.checkpoint_bytes - written) < 0.05 * written, (figures, written)
 
 
 def test_smoke_runs_again_on_request_another_config_data_or_device():
