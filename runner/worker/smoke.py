@@ -563,7 +563,7 @@ def _round_trip_in(
         if diff:
             raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")
         size = sum(f.stat().st_size for f in path.iterdir())
-    speed = data_bytes / write_s if write_s > 0 else None
+    speed = float(round(data_bytes / write_s)) if write_s > 0 else None  # finer is noise
     written = f", written at {speed / 1e6:,.0f} MB/s" if speed else ""
     message = (
         f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact "
