@@ -353,12 +353,44 @@ class StopRequest:
 
 
 @dataclass(frozen=True)
+class StopSaveFigures:
+    """What a save on a stop costs this run, as the smoke test measured it: the bytes of one
+    full checkpoint (the weights and the optimizer state) and the run dir's filesystem write
+    speed in bytes per second. Kept under "stop_save" in smoke.json and in state.json's
+    smoke_passed record, so that a relaunch that skips the smoke test still has them."""
+
+    checkpoint_bytes: int
+    write_bytes_per_s: float
+
+    @property
+    def write_s(self) -> float:
+        """Seconds to write one full checkpoint at the measured speed."""
+        return self.checkpoint_bytes / self.write_bytes_per_s
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StopSaveFigures | None:
+        """None for a record without the figures (one written before they were measured) or
+        with damaged ones."""
+        if not isinstance(data, dict):
+            return None
+        size, speed = _int(data.get("checkpoint_bytes")), _number(data.get("write_bytes_per_s"))
+        if size is None or speed is None or size <= 0 or speed <= 0:
+            return None
+        return cls(checkpoint_bytes=size, write_bytes_per_s=float(speed))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class SmokeVerdict:
-    """smoke.json: the preflight smoke subprocess's verdict."""
+    """smoke.json: the preflight smoke subprocess's verdict; ``stop_save`` when check 7 could
+    measure it."""
 
     ok: bool
     message: str
     checks: list = dataclasses.field(default_factory=list)
+    stop_save: StopSaveFigures | None = None
 
     @classmethod
     def from_dict(cls, data: dict | None) -> SmokeVerdict | None:
@@ -369,6 +401,7 @@ class SmokeVerdict:
             ok=data["ok"],
             message=str(data.get("message")),
             checks=checks if isinstance(checks, list) else [],
+            stop_save=StopSaveFigures.from_dict(data.get("stop_save")),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from m3run.runner.protocol import (
     WORKER_LOG,
     SmokeProgress,
     SmokeVerdict,
+    StopSaveFigures,
 )
 from m3run.runner.supervisor.events import EventLog
 from m3run.runner.supervisor.hang import VramWatch
@@ -214,11 +215,14 @@ def _without_gpu(summary: str, device: str) -> tuple[str, str]:
 @dataclass(frozen=True)
 class SmokeResult:
     """What the preflight smoke test said: `passed` is the record to keep when it ran and
-    passed (config_hash, device, data, time), None when it was skipped or failed."""
+    passed (config_hash, device, data, time, stop_save), None when it was skipped or failed;
+    `stop_save`: what it measured of a save (on a skip, what the passing test it relies on
+    measured)."""
 
     ok: bool
     message: str
     passed: dict | None = None
+    stop_save: StopSaveFigures | None = None
 
 
 class SmokeTest:
@@ -287,13 +291,16 @@ class SmokeTest:
                 True,
                 f"skipped: it passed for this config on {device} "
                 "(`m3run launch --smoke` runs it again)",
+                stop_save=StopSaveFigures.from_dict((passed or {}).get("stop_save")),
             )
         before_run()
-        ok, message = self.run(run_dir, env, **run_args)
-        if not ok:
-            return SmokeResult(False, message)
+        verdict = self.run(run_dir, env, **run_args)
+        if not verdict.ok:
+            return SmokeResult(False, verdict.message)
         record = {"config_hash": config_hash, "device": device, "data": data, "time": time.time()}
-        return SmokeResult(True, f"{message} (ran: {why})", record)
+        if verdict.stop_save is not None:
+            record["stop_save"] = verdict.stop_save.to_dict()
+        return SmokeResult(True, f"{verdict.message} (ran: {why})", record, verdict.stop_save)
 
     def run(
         self,
@@ -304,10 +311,11 @@ class SmokeTest:
         echo: Callable[[str], None],
         tick: Callable[..., None],
         stop_requested: Callable[[], bool],
-    ) -> tuple[bool, str]:
-        """(passed, message). `tick` runs every poll (state.json stays fresh for the liveness
-        check), given `preflight_check=` the check the child runs whenever that changes (None
-        once it is done); a stop request or the timeout kills the child."""
+    ) -> SmokeVerdict:
+        """Its verdict, or a failed one that says why there is none. `tick` runs every poll
+        (state.json stays fresh for the liveness check), given `preflight_check=` the check the
+        child runs whenever that changes (None once it is done); a stop request or the timeout
+        kills the child."""
         (run_dir / SMOKE_FILE).unlink(missing_ok=True)
         try:
             return self._run(run_dir, env, timeout_s, poll_s, echo, tick, stop_requested)
@@ -324,7 +332,7 @@ class SmokeTest:
         echo: Callable[[str], None],
         tick: Callable[..., None],
         stop_requested: Callable[[], bool],
-    ) -> tuple[bool, str]:
+    ) -> SmokeVerdict:
         (run_dir / SMOKE_PROGRESS_FILE).unlink(missing_ok=True)
         argv = [
             sys.executable,
@@ -360,21 +368,23 @@ class SmokeTest:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 if stop_requested():
-                    return False, "stopped"
-                return False, (
+                    return SmokeVerdict(False, "stopped")
+                return SmokeVerdict(
+                    False,
                     f"did not finish within supervisor.startup_timeout_s={timeout_s:g}s; "
-                    "raise it or set supervisor.smoke=false"
+                    "raise it or set supervisor.smoke=false",
                 )
             time.sleep(poll_s)
         for line in tail.lines(final=True):
             echo(line)
         how = witness.describe(proc.returncode)
-        result = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE))
-        if result is None:
-            return False, (
-                f"the smoke process ended without a verdict ({how}); see the end of {log_path}"
+        verdict = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE))
+        if verdict is None:
+            return SmokeVerdict(
+                False,
+                f"the smoke process ended without a verdict ({how}); see the end of {log_path}",
             )
-        return result.ok, result.message
+        return verdict
 
 
 @dataclass(frozen=True)
@@ -392,7 +402,8 @@ class Preflight:
     """A launch's checks before its first worker: the GPU health gate, then the smoke test
     unless this config passed it on this device. `on_smoke_run` runs just before a smoke test
     that runs (the supervisor starts the first worker as a warm spare there, so that its imports
-    overlap the test); `write_state` keeps state.json fresh while it runs and records a pass."""
+    overlap the test); `write_state` keeps state.json fresh while it runs and records a pass.
+    After `run`, `stop_save` holds what the smoke test measured of a save (None: nothing)."""
 
     def __init__(
         self,
@@ -407,6 +418,7 @@ class Preflight:
         self.s = settings
         self.log = log
         self.stop_requested = stop_requested
+        self.stop_save: StopSaveFigures | None = None
 
     def gate(self, when: str) -> PreflightEnd | None:
         """The health gate (before the first worker and every restart); None passes."""
@@ -455,5 +467,6 @@ class Preflight:
             return PreflightEnd(EXIT_CONFIG, f"preflight smoke test failed: {result.message}")
         if result.passed is not None:
             write_state(smoke_passed=result.passed)
+        self.stop_save = result.stop_save
         self.log.emit("smoke", reason=result.message)
         return None

@@ -37,7 +37,8 @@ mid-save. Docker waits 10 s by default and Kubernetes 30 s: configure them above
 a few seconds for the supervisor, e.g. ``docker run --stop-timeout 150`` / compose
 ``stop_grace_period: 150s`` / ``terminationGracePeriodSeconds: 150``. A spot notice gives less
 time than that (GCP about 30 s, Azure at least 30 s, AWS 2 min); the save has to fit in it
-whatever the grace is, so keep checkpoints frequent on spot capacity.
+whatever the grace is, so keep checkpoints frequent on spot capacity. After the preflight the
+launch says whether a save fits in the notice watched, or in the grace (save_budget).
 
 Nothing here imports torch.
 """
@@ -73,6 +74,7 @@ from m3run.runner.supervisor.hang import HangDetector, VramWatch
 from m3run.runner.supervisor.preflight import GpuProbe, GpuWatch, Preflight, PreflightEnd, SmokeTest
 from m3run.runner.supervisor.relaunch import Relaunch
 from m3run.runner.supervisor.restarts import diagnose
+from m3run.runner.supervisor.save_budget import say_stop_save
 from m3run.runner.supervisor.settings import SupervisorSettings
 from m3run.runner.supervisor.spare import SparePolicy
 from m3run.runner.supervisor.state import StateFile, end_unwritable
@@ -193,6 +195,8 @@ class Supervisor:
             self._start_preemption_watcher()
             code = self._preflight()
             if code is None:
+                provider = self._watcher.provider if self._watcher is not None else None
+                say_stop_save(self.preflight.stop_save, provider, self.s, self.log.emit)
                 code = self._supervise()
             return code
         except RunDirWriteError as e:

@@ -11,7 +11,10 @@ starts on a thread as soon as check 3 has built the model and runs beside checks
 forward/backward compiles the kernels), and check 7 waits for its verdict; run in turn it was a
 large part of the smoke test's time on a launch's path. Under the supervisor it writes inside the
 run dir (a hidden scratch directory, removed after), so it proves the filesystem the run's
-checkpoints go to; `m3run smoke` alone writes to the system's temp directory.
+checkpoints go to; `m3run smoke` alone writes to the system's temp directory. Its write speed,
+with the size of a full checkpoint of this run (the weights, and the optimizer state check 6
+leaves), goes into the verdict: the supervisor says at launch from them whether a save on a stop
+fits in the time the stop leaves.
 
 With train.compile, check 3 runs the model as the worker's steps will: compiled by the trainer's
 own call (build.compile_for_training), at the run's micro-batch and sequence length, under the
@@ -58,6 +61,7 @@ from m3run.runner.protocol import (
     SmokeCheckRecord,
     SmokeProgress,
     SmokeVerdict,
+    StopSaveFigures,
     worker_record_line,
 )
 
@@ -97,6 +101,7 @@ class Check:
 @dataclass
 class SmokeResult:
     checks: list[Check] = field(default_factory=list)
+    stop_save: StopSaveFigures | None = None  # what checks 3, 6 and 7 measured of a full save
 
     @property
     def ok(self) -> bool:
@@ -135,7 +140,11 @@ class _Smoke:
         self.batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.eos_id: int | None = None  # with data.reset_at_eos, as the trainer runs the model
         self.backend: str | None = None
-        self.round_trip: Future[str] | None = None  # check 7, started by check 3
+        self.round_trip: Future[tuple[str, float | None]] | None = None  # check 7's, from check 3
+        # A full checkpoint's parts, bytes (checks 3 and 6), and the write speed (check 7).
+        self.model_bytes: int | None = None
+        self.optim_bytes: int | None = None
+        self.write_bytes_per_s: float | None = None
 
     def autocast(self):
         return autocast(self.device, self.amp)
@@ -201,6 +210,7 @@ class _Smoke:
             raise CheckSkipped("no batch: the data check failed")
         tuned = self._tune_scan()  # first: the scan's kernels then compile under its plan
         self.model = build_model(self.cfg, self.device)
+        self.model_bytes = _tensor_bytes(self.model.state_dict())
         self.round_trip = _start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
         # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
@@ -409,6 +419,9 @@ class _Smoke:
             before = model(x, y, eos_id=self.eos_id)
         before.backward()
         opt.step()
+        # The trainer's optimizer, stepped: its state is what a checkpoint's optim.pt holds
+        # beside the loader's and the schedule's few bytes.
+        self.optim_bytes = _tensor_bytes(opt.state_dict())
         opt.zero_grad(set_to_none=True)
         with torch.no_grad(), self.autocast():
             after = model(x, y, eos_id=self.eos_id)
@@ -421,7 +434,14 @@ class _Smoke:
     def checkpoint_round_trip(self) -> str:
         if self.round_trip is None:
             raise CheckSkipped("no model: the forward/backward check failed")
-        return self.round_trip.result()
+        message, self.write_bytes_per_s = self.round_trip.result()
+        return message
+
+    def stop_save(self) -> StopSaveFigures | None:
+        """A full checkpoint's size and the write speed, once checks 3, 6 and 7 measured them."""
+        if self.model_bytes is None or self.optim_bytes is None or not self.write_bytes_per_s:
+            return None
+        return StopSaveFigures(self.model_bytes + self.optim_bytes, self.write_bytes_per_s)
 
     # 8
     def memory(self) -> str:
@@ -464,6 +484,17 @@ def _is_compile_error(e: BaseException) -> bool:
     return isinstance(e, TorchDynamoException)
 
 
+def _tensor_bytes(state: object) -> int:
+    """The bytes of the tensors in a state (nested dicts and lists), as a checkpoint holds them."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
 def _precompiled(job: Future[str] | None) -> str:
     """What the scan kernels' compile ahead did, for check 3's message (a compile that failed or
     still runs is said there: its kernels then compiled at their first launch)."""
@@ -480,15 +511,15 @@ def _precompiled(job: Future[str] | None) -> str:
 SCRATCH_PREFIX = ".smoke-checkpoint-"
 
 
-def _start_round_trip(model: Mamba3LM, scratch: Path | None) -> Future[str]:
+def _start_round_trip(model: Mamba3LM, scratch: Path | None) -> Future[tuple[str, float | None]]:
     """Check 7's work on a thread: save → verify → load of the model's state, copied to the CPU
     here (the copy is complete when this returns, so the checks after it may use the model as
-    they like), in a scratch directory under ``scratch``. The thread's verdict, or the error it
-    raised, is the future's."""
+    they like), in a scratch directory under ``scratch``. The thread's verdict and the write
+    speed it saw (bytes per second), or the error it raised, are the future's."""
     try:
         state = ckpt_io.snapshot(model.state_dict(), {})[0]
     except Exception as e:  # a state that cannot be saved fails check 7, not check 3
-        failed: Future[str] = Future()
+        failed: Future[tuple[str, float | None]] = Future()
         failed.set_exception(e)
         return failed
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="m3run-smoke-checkpoint")
@@ -498,7 +529,7 @@ def _start_round_trip(model: Mamba3LM, scratch: Path | None) -> Future[str]:
         pool.shutdown(wait=False)  # the thread finishes its one job, then ends
 
 
-def _round_trip(state: dict[str, torch.Tensor], scratch: Path | None) -> str:
+def _round_trip(state: dict[str, torch.Tensor], scratch: Path | None) -> tuple[str, float | None]:
     where = scratch if scratch is not None else Path(tempfile.gettempdir())
     try:
         return _round_trip_in(state, scratch)
@@ -510,13 +541,20 @@ def _round_trip(state: dict[str, torch.Tensor], scratch: Path | None) -> str:
         ) from e
 
 
-def _round_trip_in(state: dict[str, torch.Tensor], scratch: Path | None) -> str:
+def _round_trip_in(
+    state: dict[str, torch.Tensor], scratch: Path | None
+) -> tuple[str, float | None]:
     t0 = time.perf_counter()
     if scratch is not None:  # what a smoke test killed mid-write left (the run dir is locked)
         for stale in Path(scratch).glob(SCRATCH_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=scratch) as tmp:
+        t_write = time.perf_counter()
         path = ckpt_io.write_checkpoint(tmp, 0, state, {"step": 0}, {"smoke": True})
+        # The run dir's write speed, an estimate: the data files' bytes over the whole call
+        # (write, hash, fsync), taken beside check 3's compile, which competes for the CPU.
+        write_s = time.perf_counter() - t_write
+        data_bytes = sum((path / name).stat().st_size for name in ckpt.DATA_FILES)
         ok, reason = ckpt.verify_checkpoint(path)
         if not ok:
             raise CheckFailed(f"a checkpoint just written does not verify: {reason}")
@@ -525,10 +563,13 @@ def _round_trip_in(state: dict[str, torch.Tensor], scratch: Path | None) -> str:
         if diff:
             raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")
         size = sum(f.stat().st_size for f in path.iterdir())
-    return (
+    speed = float(round(data_bytes / write_s)) if write_s > 0 else None  # finer is noise
+    written = f", written at {speed / 1e6:,.0f} MB/s" if speed else ""
+    message = (
         f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact "
-        f"({time.perf_counter() - t0:.1f} s, beside checks 3–6)"
+        f"({time.perf_counter() - t0:.1f} s, beside checks 3–6{written})"
     )
+    return message, speed
 
 
 CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [
@@ -587,6 +628,7 @@ def run_smoke(
         elif echo is not None:
             line = f"{name:<36} {status.upper():<7} {check.seconds:6.1f} s  {message}"
             echo(f"  [{number}/{len(CHECKS)}] {line}")
+    result.stop_save = smoke.stop_save()
     return result
 
 
@@ -597,7 +639,7 @@ def _verdict(result: SmokeResult) -> SmokeVerdict:
     message = (
         f"{ran} checks passed, {skipped} skipped" if result.ok else str(result.failed_check_message)
     )
-    return SmokeVerdict(ok=result.ok, message=message, checks=checks)
+    return SmokeVerdict(ok=result.ok, message=message, checks=checks, stop_save=result.stop_save)
 
 
 def main(argv: list[str] | None = None) -> int:

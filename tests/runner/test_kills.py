@@ -134,7 +134,7 @@ def test_the_smoke_test_names_a_sigkill_instead_of_a_bare_exit_code(tmp_path):
                 proc.send_signal(signal.SIGKILL)
                 killed.append(proc.pid)
 
-    ok, message = SmokeTest(tmp_path / "config.yaml").run(
+    verdict = SmokeTest(tmp_path / "config.yaml").run(
         run_dir,
         dict(os.environ),
         timeout_s=300,
@@ -143,7 +143,8 @@ def test_the_smoke_test_names_a_sigkill_instead_of_a_bare_exit_code(tmp_path):
         tick=kill_the_smoke_process,
         stop_requested=lambda: False,
     )
-    assert killed and not ok
+    assert killed and not verdict.ok
+    message = verdict.message
     assert message.startswith("the smoke process ended without a verdict (killed by SIGKILL"), (
         message
     )

@@ -15,8 +15,17 @@ import pytest
 from helpers.launching import Run, overrides
 from helpers.run_dirs import invoke
 
+from m3run.runner.checkpoint.layout import DATA_FILES, list_checkpoints
 from m3run.runner.files import read_json, read_jsonl
-from m3run.runner.protocol import EVENTS_FILE, EXIT_OK, SMOKE_PROGRESS_FILE, SmokeProgress
+from m3run.runner.protocol import (
+    EVENTS_FILE,
+    EXIT_OK,
+    SMOKE_FILE,
+    SMOKE_PROGRESS_FILE,
+    SmokeProgress,
+    SmokeVerdict,
+    StopSaveFigures,
+)
 from m3run.runner.supervisor.preflight import SmokeTest
 
 
@@ -53,6 +62,11 @@ def test_smoke_runs_on_first_launch_and_is_skipped_on_an_unchanged_relaunch(corp
     assert second.startswith("skipped: it passed for this config on host:"), second
     assert "--smoke" in second
     assert _first_workers(run_dir) == [True, False]
+    # What the smoke test said a full checkpoint of this run weighs is what the run wrote.
+    figures = SmokeVerdict.from_dict(read_json(run_dir / SMOKE_FILE)).stop_save
+    for ckpt in list_checkpoints(run_dir):
+        written = sum((ckpt.path / name).stat().st_size for name in DATA_FILES)
+        assert abs(figures.checkpoint_bytes - written) < 0.05 * written, (figures, written)
 
 
 def test_smoke_runs_again_on_request_another_config_data_or_device():
@@ -69,6 +83,18 @@ def test_smoke_runs_again_on_request_another_config_data_or_device():
     assert "another device (GPU-b; the last smoke test passed on GPU-a)" in smoke.reason_to_run(
         passed, "h1", "GPU-b", "d1"
     )
+
+
+def test_a_smoke_verdict_written_before_the_stop_save_figures_still_reads():
+    old = {"ok": True, "message": "6 checks passed, 2 skipped", "checks": []}
+    verdict = SmokeVerdict.from_dict(old)
+    assert verdict is not None and verdict.ok and verdict.stop_save is None
+    figures = StopSaveFigures(checkpoint_bytes=5_220_000_000, write_bytes_per_s=4.7e8)
+    new = SmokeVerdict(ok=True, message="ok", stop_save=figures)
+    assert SmokeVerdict.from_dict(json.loads(json.dumps(new.to_dict()))) == new
+    # A damaged figure reads as none measured, never as a crash or a zero speed.
+    for bad in ({"checkpoint_bytes": "5 GB", "write_bytes_per_s": 4.7e8}, {"write_bytes_per_s": 0}):
+        assert SmokeVerdict.from_dict({**old, "stop_save": bad}).stop_save is None
 
 
 def test_data_prepared_again_under_the_same_paths_is_smoke_tested_again(corpus, tmp_path):

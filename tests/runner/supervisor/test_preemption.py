@@ -276,7 +276,7 @@ def test_provider_none_sends_nothing_and_bad_settings_are_named() -> None:
 
 
 def test_the_save_budget_against_each_providers_notice() -> None:
-    from m3run.runner.supervisor.preemption import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
+    from m3run.runner.supervisor.save_budget import NOTICE_S, SAVE_BUDGET_SHARE, save_budget_warning
 
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, None) is None  # no checkpoint yet
     assert save_budget_warning("gcp", 5.0, 0.4, 2.0, 12.0) is None  # 19.4 s of 30: fits
@@ -284,7 +284,7 @@ def test_the_save_budget_against_each_providers_notice() -> None:
     assert tight is not None and "most of the 30 s" in tight
     assert save_budget_warning("aws", 5.0, 0.4, 2.0, 40.0) is None  # AWS gives two minutes
     late = save_budget_warning("azure", 5.0, 0.4, 2.0, 40.0)
-    assert late is not None and "more than the 30 s a azure notice" in late
+    assert late is not None and "more than the 30 s an azure notice" in late
     for provider, notice in NOTICE_S.items():  # the share is the line, for every provider
         edge = SAVE_BUDGET_SHARE * notice - 5.0
         assert save_budget_warning(provider, 5.0, 0.0, 0.0, edge) is None

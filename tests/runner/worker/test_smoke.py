@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from m3run.runner.config import load_config
 from m3run.runner.data.mixture import train_loader
-from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE
+from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, StopSaveFigures
 from m3run.runner.worker.build import build_model, compile_for_training
 from m3run.runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
 
@@ -108,6 +108,13 @@ def test_the_smoke_child_leaves_its_verdict_its_output_and_its_exit_code(corpus,
     if data_ok:
         assert child.returncode == EXIT_OK and verdict["ok"], child.stdout + child.stderr
         assert lines[-1] == "smoke: ok: 6 checks passed, 2 skipped", child.stdout
+        # What a save on a stop costs, for the supervisor's launch line: a full checkpoint's
+        # bytes (the weights and the stepped AdamW's two moments, so about three times the
+        # weights) and the write speed check 7 saw.
+        figures = StopSaveFigures.from_dict(verdict["stop_save"])
+        weights = 4 * build_model(cfg, torch.device("cpu")).num_params()
+        assert figures is not None and figures.write_bytes_per_s > 0, verdict
+        assert 3 * weights <= figures.checkpoint_bytes < 3.1 * weights, (figures, weights)
     else:
         assert child.returncode == EXIT_CONFIG and not verdict["ok"], child.stdout + child.stderr
         assert lines[-1].startswith("smoke: FAILED: check 2 (data readable) failed"), lines[-1]
