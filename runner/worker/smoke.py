@@ -31,11 +31,9 @@ import argparse
 import contextlib
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,7 +41,6 @@ import torch
 
 from m3run.kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
 from m3run.model import Mamba3LM
-from m3run.runner.checkpoint import io as ckpt_io
 from m3run.runner.checkpoint import layout as ckpt
 from m3run.runner.config import ConfigError, RunConfig, load_config
 from m3run.runner.data.loader import check_vocab, eval_batches
@@ -76,6 +73,7 @@ from .build import (
     set_determinism,
 )
 from .preimport import DYNAMO, CompileStack, import_in_background, wait_imported
+from .smoke_round_trip import RoundTripFailed, start_round_trip, tensor_bytes
 
 
 class CheckFailed(Exception):
@@ -210,8 +208,8 @@ class _Smoke:
             raise CheckSkipped("no batch: the data check failed")
         tuned = self._tune_scan()  # first: the scan's kernels then compile under its plan
         self.model = build_model(self.cfg, self.device)
-        self.model_bytes = _tensor_bytes(self.model.state_dict())
-        self.round_trip = _start_round_trip(self.model, self.scratch)
+        self.model_bytes = tensor_bytes(self.model.state_dict())
+        self.round_trip = start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
         # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
         # the rest (the scan's first launch waits for them), as in the worker.
@@ -421,7 +419,7 @@ class _Smoke:
         opt.step()
         # The trainer's optimizer, stepped: its state is what a checkpoint's optim.pt holds
         # beside the loader's and the schedule's few bytes.
-        self.optim_bytes = _tensor_bytes(opt.state_dict())
+        self.optim_bytes = tensor_bytes(opt.state_dict())
         opt.zero_grad(set_to_none=True)
         with torch.no_grad(), self.autocast():
             after = model(x, y, eos_id=self.eos_id)
@@ -434,7 +432,10 @@ class _Smoke:
     def checkpoint_round_trip(self) -> str:
         if self.round_trip is None:
             raise CheckSkipped("no model: the forward/backward check failed")
-        message, self.write_bytes_per_s = self.round_trip.result()
+        try:
+            message, self.write_bytes_per_s = self.round_trip.result()
+        except RoundTripFailed as e:
+            raise CheckFailed(str(e)) from e
         return message
 
     def stop_save(self) -> StopSaveFigures | None:
@@ -484,17 +485,6 @@ def _is_compile_error(e: BaseException) -> bool:
     return isinstance(e, TorchDynamoException)
 
 
-def _tensor_bytes(state: object) -> int:
-    """The bytes of the tensors in a state (nested dicts and lists), as a checkpoint holds them."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in state)
-    return 0
-
-
 def _precompiled(job: Future[str] | None) -> str:
     """What the scan kernels' compile ahead did, for check 3's message (a compile that failed or
     still runs is said there: its kernels then compiled at their first launch)."""
@@ -506,70 +496,6 @@ def _precompiled(job: Future[str] | None) -> str:
         return f"; {job.result()}"
     except Exception as e:
         return f"; precompiling the scan kernels failed ({e}): compiled at first launch"
-
-
-SCRATCH_PREFIX = ".smoke-checkpoint-"
-
-
-def _start_round_trip(model: Mamba3LM, scratch: Path | None) -> Future[tuple[str, float | None]]:
-    """Check 7's work on a thread: save → verify → load of the model's state, copied to the CPU
-    here (the copy is complete when this returns, so the checks after it may use the model as
-    they like), in a scratch directory under ``scratch``. The thread's verdict and the write
-    speed it saw (bytes per second), or the error it raised, are the future's."""
-    try:
-        state = ckpt_io.snapshot(model.state_dict(), {})[0]
-    except Exception as e:  # a state that cannot be saved fails check 7, not check 3
-        failed: Future[tuple[str, float | None]] = Future()
-        failed.set_exception(e)
-        return failed
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="m3run-smoke-checkpoint")
-    try:
-        return pool.submit(_round_trip, state, scratch)
-    finally:
-        pool.shutdown(wait=False)  # the thread finishes its one job, then ends
-
-
-def _round_trip(state: dict[str, torch.Tensor], scratch: Path | None) -> tuple[str, float | None]:
-    where = scratch if scratch is not None else Path(tempfile.gettempdir())
-    try:
-        return _round_trip_in(state, scratch)
-    except OSError as e:
-        raise CheckFailed(
-            f"cannot write, read or remove a checkpoint under {where}: {e}. Check write "
-            "permission and free space there"
-            + (" (the run's checkpoints go to the same filesystem)" if scratch else "")
-        ) from e
-
-
-def _round_trip_in(
-    state: dict[str, torch.Tensor], scratch: Path | None
-) -> tuple[str, float | None]:
-    t0 = time.perf_counter()
-    if scratch is not None:  # what a smoke test killed mid-write left (the run dir is locked)
-        for stale in Path(scratch).glob(SCRATCH_PREFIX + "*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=scratch) as tmp:
-        t_write = time.perf_counter()
-        path = ckpt_io.write_checkpoint(tmp, 0, state, {"step": 0}, {"smoke": True})
-        # The run dir's write speed, an estimate: the data files' bytes over the whole call
-        # (write, hash, fsync), taken beside check 3's compile, which competes for the CPU.
-        write_s = time.perf_counter() - t_write
-        data_bytes = sum((path / name).stat().st_size for name in ckpt.DATA_FILES)
-        ok, reason = ckpt.verify_checkpoint(path)
-        if not ok:
-            raise CheckFailed(f"a checkpoint just written does not verify: {reason}")
-        loaded, _, _ = ckpt_io.load_checkpoint(path)
-        diff = [k for k in state if not torch.equal(loaded[k], state[k])]
-        if diff:
-            raise CheckFailed(f"tensors changed in the round trip: {diff[:3]}")
-        size = sum(f.stat().st_size for f in path.iterdir())
-    speed = float(round(data_bytes / write_s)) if write_s > 0 else None  # finer is noise
-    written = f", written at {speed / 1e6:,.0f} MB/s" if speed else ""
-    message = (
-        f"save → verify → load of {len(state)} tensors ({size / 2**20:.1f} MiB) is exact "
-        f"({time.perf_counter() - t0:.1f} s, beside checks 3–6{written})"
-    )
-    return message, speed
 
 
 CHECKS: list[tuple[str, Callable[[_Smoke], str]]] = [

@@ -16,7 +16,8 @@ from m3run.runner.config import load_config
 from m3run.runner.data.mixture import train_loader
 from m3run.runner.protocol import EXIT_CONFIG, EXIT_OK, SMOKE_FILE, StopSaveFigures
 from m3run.runner.worker.build import build_model, compile_for_training
-from m3run.runner.worker.smoke import CHECKS, SCRATCH_PREFIX, run_smoke
+from m3run.runner.worker.smoke import CHECKS, run_smoke
+from m3run.runner.worker.smoke_round_trip import SCRATCH_PREFIX
 
 
 def test_smoke_passes_on_cpu_and_names_what_it_skipped(corpus):
