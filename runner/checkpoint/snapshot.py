@@ -208,7 +208,8 @@ class SnapshotBuffers:
 
         leaves = leaves_of(model_state, optim_state)
         self.prepare(leaves)
-        on_cuda = any(t.device.type == "cuda" for t in leaves)
+        device = next((t.device for t in leaves if t.device.type == "cuda"), None)
+        on_cuda = device is not None
         views: Iterator[torch.Tensor] = iter(self._views)
 
         def copy(t: torch.Tensor, _where: str = "") -> torch.Tensor:
@@ -222,9 +223,9 @@ class SnapshotBuffers:
             cpu_model = {k: copy(t) for k, t in model_state.items()}
             cpu_optim = _copy_tree(dict(optim_state), "", copy)
             if on_cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             return Snapshot(cpu_model, cpu_optim, None)
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             cpu_model = {k: copy(t) for k, t in model_state.items()}
             cpu_optim = _copy_tree(dict(optim_state), "", copy)

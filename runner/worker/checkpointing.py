@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from m3run.runner import __version__
@@ -25,6 +26,7 @@ from m3run.runner.protocol import WorkerPhase
 
 from .dist import Dist
 from .faults import Faults
+from .restore import restore
 from .telemetry import SaveStatus, Telemetry
 
 if TYPE_CHECKING:
@@ -119,6 +121,7 @@ class Checkpointer:
         self._prepare_started = True
         state, _ = self._checkpoint_state()
         leaves = leaves_of(self.model.state_dict(), state)
+        self._say_host_memory(sum(t.numel() * t.element_size() for t in leaves))
         self._prepared = Future()
 
         def run() -> None:
@@ -130,6 +133,31 @@ class Checkpointer:
                 self._prepared.set_exception(e)
 
         threading.Thread(target=run, name="m3run-checkpoint-buffers", daemon=True).start()
+
+    def _say_host_memory(self, state_bytes: int) -> None:
+        """What the buffers cost, and a warning when the host has not that much memory free."""
+        n = len(self._buffers)
+        locked = " page-locked" if self.dist.device.type == "cuda" else ""
+        need = n * state_bytes
+        print(
+            f"checkpoint buffers: {n} × {state_bytes / 2**20:,.0f} MiB of{locked} host memory "
+            f"for background saves (checkpoint.snapshot_buffers={n})",
+            flush=True,
+        )
+        free = psutil.virtual_memory().available
+        if need > free:
+            fix = "set checkpoint.snapshot_buffers=1 or " if n > 1 else ""
+            print(
+                f"warning: the checkpoint buffers need {need / 2**30:.1f} GiB of host memory and "
+                f"{free / 2**30:.1f} GiB is available: the worker may be killed for memory at "
+                f"its first checkpoint. Fix: {fix}give the worker more host memory",
+                flush=True,
+            )
+
+    def load(self, path: Path) -> None:
+        """Restore everything this checkpoints from the verified checkpoint at `path`
+        (restore.restore: ConfigError or UnloadableCheckpoint when it cannot)."""
+        restore(self, path)
 
     def before_update(self) -> None:
         """Make the optimizer update about to be queued wait (on the GPU) for the copies of the

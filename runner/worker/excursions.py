@@ -16,7 +16,6 @@ from m3run.runner.checkpoint import layout as ckpt
 from m3run.runner.config import TrainConfig
 
 from .dist import Dist
-from .restore import restore
 
 if TYPE_CHECKING:
     from m3run.runner.data.loader import WindowStream
@@ -94,7 +93,7 @@ class Excursions:
         skip = sorted(set(self.skip_positions) | set(self.streak))
         rollbacks = self.rollbacks
         scale = self.lr_scale * self.cfg.nan_lr_factor
-        restore(checkpointer, info.path)
+        checkpointer.load(info.path)
         self.skip_positions, self.rollbacks, self.lr_scale = skip, rollbacks, scale
         self.streak = []
         if not self.dist.writer:

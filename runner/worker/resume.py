@@ -23,7 +23,7 @@ from m3run.runner.protocol import CHECKPOINTS_DIR, WorkerPhase
 
 from .checkpointing import Checkpointer
 from .dist import Dist
-from .restore import UnloadableCheckpoint, restore
+from .restore import UnloadableCheckpoint
 from .telemetry import Telemetry
 
 
@@ -82,7 +82,7 @@ class Resume:
     def _load(self, info: ckpt.CheckpointInfo) -> None:
         self.telemetry.set_phase(WorkerPhase.LOADING)
         try:
-            restore(self.checkpointer, info.path)
+            self.checkpointer.load(info.path)
         finally:
             self.telemetry.set_phase(WorkerPhase.STARTUP)
 

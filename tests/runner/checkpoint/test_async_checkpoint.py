@@ -488,6 +488,9 @@ def test_a_checkpoint_step_during_a_write_copies_into_the_other_buffer(corpus, t
     assert _complete_steps(run_dir) == [5, 10, 14]
     if buffers == 1:
         assert "waiting for checkpoint step 5 to finish writing" in out
+    # The host memory they cost is said once, when they are allocated after the first step.
+    said = re.findall(r"checkpoint buffers: (\d) × [\d,]+ MiB of host memory", out)
+    assert said == [str(buffers)], out
     saved = re.findall(r"saved checkpoint step (\d+)", out)
     assert saved == ["5", "10", "14"]  # reported in order, each once complete
     assert not watch.incomplete, watch.incomplete
