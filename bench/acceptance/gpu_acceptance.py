@@ -131,6 +131,37 @@ def saves(run_dir: Path) -> list[dict]:
     return out
 
 
+def steps_during_writes(run_dir: Path, report_saves: list[dict]) -> dict | None:
+    """The step times (metrics.jsonl, one record a step, stalls excluded) of the steps that ran
+    while a checkpoint was being written in the background, against the median step: the
+    issue's bar is no such step slower than 1.1x the median."""
+    from m3run.runner.files import read_jsonl
+
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    # Per step, the latest record (a restarted worker replays steps). A record carries tokens
+    # per second; the step's time is proportional to its inverse, which is all a ratio needs.
+    by_step = {r["step"]: r for r in train if r.get("tokens_per_s")}
+    if len(by_step) < 3:
+        return None
+    times = {k: 1.0 / r["tokens_per_s"] for k, r in by_step.items()}
+    median = statistics.median(times.values())
+    during = set()
+    for save in report_saves:
+        start = by_step.get(save["step"])
+        if start is None or not save.get("write_s"):
+            continue
+        end = start["time"] + save["stall_s"] + save["write_s"]
+        during |= {k for k, r in by_step.items() if start["time"] < r["time"] <= end}
+    if not during:
+        return None
+    slowest = max(during, key=times.__getitem__)
+    return {
+        "steps while writing": len(during),
+        "slowest step while writing / median step": round(times[slowest] / median, 3),
+        "slowest step": slowest,
+    }
+
+
 def lost_checkpoints(snapshots: dict[str, list[int]], final: list[int], keep_last: int) -> list:
     """Steps complete at some snapshot and gone at the end, retention aside (it keeps the
     newest keep_last)."""
@@ -383,6 +414,11 @@ def _finish(report: dict, run_dir: Path, beats: Heartbeats, a: argparse.Namespac
     stalls = [s["stall_s"] for s in report.get("saves", [])]
     if stalls:
         speed["checkpoint stall s (max)"] = max(stalls)
+        try:
+            if during := steps_during_writes(run_dir, report["saves"]):
+                speed.update(during)
+        except (OSError, ValueError, KeyError) as e:
+            report["steps_during_writes_error"] = str(e)
     events = run_dir / "events.jsonl"
     if events.exists():
         shutil.copyfile(events, a.out / "events.jsonl")
