@@ -157,7 +157,16 @@ class Checkpointer:
     def load(self, path: Path) -> None:
         """Restore everything this checkpoints from the verified checkpoint at `path`
         (restore.restore: ConfigError or UnloadableCheckpoint when it cannot)."""
-        restore(self, path)
+        self.last_checkpoint_step = restore(
+            path,
+            cfg=self.cfg,
+            model=self.model,
+            optimizer=self.optimizer,
+            counters=self.counters,
+            loader=self.loader,
+            device=self.dist.device,
+            force=self.force,
+        )
 
     def before_update(self) -> None:
         """Make the optimizer update about to be queued wait (on the GPU) for the copies of the

@@ -11,38 +11,50 @@ import torch
 
 from m3run.runner.checkpoint import layout as ckpt
 from m3run.runner.checkpoint.io import load_checkpoint
-from m3run.runner.config import ConfigError, config_hash
+from m3run.runner.config import ConfigError, RunConfig, config_hash
 from m3run.runner.data.manifest import DataError
 
 if TYPE_CHECKING:
-    from .checkpointing import Checkpointer
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from m3run.runner.data.loader import BatchLoader
 
 
-def restore(saves: Checkpointer, path: Path) -> None:
-    """Restore everything `saves` checkpoints (model, optimizer, counters, data position, RNG)
-    from a checkpoint whose hashes were just verified. ConfigError when its tensors do not fit
-    this config's model (exit 78); UnloadableCheckpoint when its contents cannot be read back
-    (another structure, a refused unpickle)."""
+def restore(
+    path: Path,
+    *,
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    counters: Stateful,
+    loader: BatchLoader,
+    device: torch.device,
+    force: bool,
+) -> int:
+    """Restore the model, the optimizer, the trainer's `counters`, the data position and the
+    RNG state from a checkpoint whose hashes were just verified; its step. ConfigError when its
+    tensors do not fit this config's model (exit 78); UnloadableCheckpoint when its contents
+    cannot be read back (another structure, a refused unpickle). `force`: a checkpoint of
+    another config loads without a warning."""
     try:
         model_state, state, meta = load_checkpoint(path, hashes_checked=True)
     except ckpt.CheckpointError as e:
         raise UnloadableCheckpoint(str(e)) from e
-    _check_fits(path, model_state, saves.model.state_dict())
-    if meta.get("config_hash") not in (None, config_hash(saves.cfg)) and not saves.force:
+    _check_fits(path, model_state, model.state_dict())
+    if meta.get("config_hash") not in (None, config_hash(cfg)) and not force:
         print(
             f"warning: checkpoint {path.name} was written under a different config "
             "(model or schedule changes apply from here on)"
         )
     try:
-        saves.model.load_state_dict(model_state)
-        saves.optimizer.load_state_dict(state["optimizer"])
-        saves.counters.load_state_dict(state)
-        saves.loader.load_state_dict(state["data"])
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(state["optimizer"])
+        counters.load_state_dict(state)
+        loader.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
-        device = saves.dist.device
         if device.type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        saves.last_checkpoint_step = int(state["step"])
+        return int(state["step"])
     except (ConfigError, DataError):
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

@@ -454,6 +454,46 @@ def test_sigterm_during_a_background_write_cancels_it_and_exits_75_with_the_stop
 
 
 @pytest.mark.slow
+def test_with_save_on_exit_off_a_stop_finishes_the_write_in_flight_and_saves_nothing_new(
+    corpus, tmp_path
+):
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    ov = _overrides(corpus, **{"train.total_steps": 40, "checkpoint.save_on_exit": "false"})
+    proc = subprocess.Popen(
+        worker_cmd(run_dir, ov),
+        env=_env(f"hold_save={release},hold_at_step=7"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watch = HeartbeatWatch(run_dir)
+    try:
+        hb = watch.run(
+            proc,
+            until=lambda hb: (
+                hb.get("checkpoint_in_flight_step") == 5
+                and hb["phase"] == "training"
+                and hb["step"] > 5
+            ),
+        )
+        assert hb is not None, "the worker exited before step 5's write was seen in flight"
+        proc.send_signal(signal.SIGTERM)
+        # The stop waits for step 5's write (it is not cancelled: nothing supersedes it).
+        assert watch.run(proc, until=lambda hb: hb["phase"] == "stopping") is not None
+        release.touch()
+        watch.run(proc)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, out
+    assert re.search(r"stopped at step [67]; checkpoint step 5 is complete", out), out
+    assert "cancel" not in out
+    assert _complete_steps(run_dir) == [5]
+    _no_leftovers(run_dir)
+    assert not watch.incomplete, watch.incomplete
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("buffers", [2, 1])
 def test_a_checkpoint_step_during_a_write_copies_into_the_other_buffer(corpus, tmp_path, buffers):
     run_dir, release = tmp_path / "run", tmp_path / "release"
