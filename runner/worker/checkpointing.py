@@ -86,7 +86,7 @@ class Checkpointer:
         self._writer = ckpt_bg.BackgroundWriter()
         self._buffers = [SnapshotBuffers() for _ in range(cfg.checkpoint.snapshot_buffers)]
         self._reading: deque[tuple[int, int]] = deque()  # (step, buffer index)
-        self._prepared: Future[None] | None = None
+        self._prepared: list[Future[None] | None] | None = None  # per buffer, from prepare()
         self._prepare_started = False
         self._stall_s: dict[int, float] = {}
         self._unconfirmed: deque[int] = deque()
@@ -122,15 +122,16 @@ class Checkpointer:
         state, _ = self._checkpoint_state()
         leaves = leaves_of(self.model.state_dict(), state)
         self._say_host_memory(sum(t.numel() * t.element_size() for t in leaves))
-        self._prepared = Future()
+        self._prepared = [Future() for _ in self._buffers]
 
         def run() -> None:
-            try:
-                for buffers in self._buffers:
+            # In order: the first save needs only the first buffer.
+            for buffers, done in zip(self._buffers, self._prepared, strict=True):
+                try:
                     buffers.prepare(leaves)
-                self._prepared.set_result(None)
-            except BaseException as e:  # told at the first save, which allocates instead
-                self._prepared.set_exception(e)
+                    done.set_result(None)
+                except BaseException as e:  # told by the save that uses it, which allocates
+                    done.set_exception(e)
 
         threading.Thread(target=run, name="m3run-checkpoint-buffers", daemon=True).start()
 
@@ -225,22 +226,22 @@ class Checkpointer:
         return path
 
     def _save_in_background(self, step: int, model_state: dict, state: dict, meta: dict) -> None:
-        if self._prepared is not None:
-            try:
-                self._prepared.result()
-            except Exception as e:
-                print(
-                    f"warning: allocating the checkpoint buffers ahead failed ({e}); this "
-                    "save allocates them",
-                    flush=True,
-                )
-            self._prepared = None
         while len(self._reading) >= len(self._buffers):  # every buffer is being read
             self._say_disk_is_behind(step)
             self._wait_for_save()
         busy = {index for _, index in self._reading}
         index = min(i for i in range(len(self._buffers)) if i not in busy)
         buffers = self._buffers[index]
+        if self._prepared is not None and self._prepared[index] is not None:
+            try:
+                self._prepared[index].result()  # its allocation, if still under way
+            except Exception as e:
+                print(
+                    f"warning: allocating checkpoint buffer {index + 1} ahead failed ({e}); "
+                    "this save allocates it",
+                    flush=True,
+                )
+            self._prepared[index] = None
         snap = buffers.fill(model_state, state, stream=self._copy_stream)
         if buffers.pin_error and buffers.allocated_bytes:
             print(

@@ -146,6 +146,8 @@ def _save_failed(trainer: Trainer | None, e: ckpt.CheckpointError) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         _unwritable_note()
         return EXIT_CONFIG
+    if trainer is not None and trainer.checkpointer is not None:
+        trainer.checkpointer.close()  # a later save queued behind the failed one holds good state
     last = trainer.last_checkpoint_step if trainer is not None else None
     since = f"step {last}" if last is not None else "none yet, so from the start"
     print(
