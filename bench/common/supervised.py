@@ -411,9 +411,16 @@ def worker_rows(
         _row("checkpoint load", s["resume_end"] - s["resume_start"], what),
         _row("compile wrapper", s["compile_wrapped"] - s["resume_end"], "torch.compile, DDP"),
         _row("setup rest", s["setup_end"] - s["compile_wrapped"], "tracker"),
-        _row("compile", compile_s, "first step less one steady step"),
+        _row("compile", compile_s, "first step less one steady step" + _phases(s)),
         _row("first step", step_s, step_note),
     ]
+
+
+def _phases(start: dict) -> str:
+    """torch.compile's own timers from the record, as a note (nested: they do not add up)."""
+    phases = start.get("compile_phases") or {}
+    said = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+    return f"; torch.compile's timers (s, nested): {said}" if said else ""
 
 
 def smoke_check_rows(run_dir: Path, since: float) -> list[dict]:

@@ -67,6 +67,8 @@ from .build import (
     build_model,
     build_optimizer,
     compile_for_training,
+    compile_phases,
+    describe_compile_phases,
     precision_dtype,
     resolve_device,
     scan_shape,
@@ -249,6 +251,8 @@ class _Smoke:
         expect = math.log(self.cfg.model.vocab_size)
         t = self.cfg.train
         how = f", compiled (scope {t.compile_scope}) as the worker runs it" if t.compile else ""
+        if t.compile and (phases := compile_phases()):
+            how += f" (torch.compile's timers, nested: {describe_compile_phases(phases)})"
         return (
             f"loss {loss.item():.3f} (ln V = {expect:.3f}), "
             f"{self.model.num_params():,} params{how}{_precompiled(job)}{tuned}"

@@ -39,6 +39,7 @@ from .build import (
     build_model,
     build_optimizer,
     compile_for_training,
+    compile_phases,
     freeze_config,
     resolve_device,
     resolve_precision,
@@ -412,11 +413,13 @@ class Trainer:
         """Once per process, at its first completed optimizer step: a `startup_times` record
         of when the process started, began setup, had built the model, optimizer and loader,
         started and finished resuming (checkpoint choice, verification and load), ended setup
-        and completed that step (compilation and autotuning included), all Unix seconds."""
+        and completed that step (compilation and autotuning included), all Unix seconds; with
+        train.compile, also where torch.compile's time went (`compile_phases`, seconds)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's kernels, optimizer included, ran
         self.startup_times["first_step_end"] = time.time()
         if self.dist.writer:
+            phases = compile_phases() if self.cfg.train.compile else {}
             self.telemetry.record(
                 {
                     "kind": "startup_times",
@@ -425,6 +428,7 @@ class Trainer:
                     "resumed_from": self.resumed_from,
                     "time": time.time(),
                     **self.startup_times,
+                    **({"compile_phases": phases} if phases else {}),
                 }
             )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -160,6 +161,8 @@ def test_with_train_compile_check_3_runs_the_compiled_step_and_nothing_else_comp
     by_name = {c.name: c for c in result.checks}
     check = by_name["model forward/backward"]
     assert f"compiled (scope {scope}) as the worker runs it" in check.message, check
+    # Where the compile's time went, by torch's own timers (what a cold launch's profile reads).
+    assert re.search(r"torch.compile's timers, nested: tracing [\d.]+ s, backend", check.message)
     for name in ("scan backend on every block", "one optimizer step lowers the loss"):
         assert by_name[name].status == "ok", by_name[name]
     # blocks: one graph that every layer shares, and the loss's.
