@@ -92,6 +92,7 @@ class Checkpointer:
         self._unconfirmed: deque[int] = deque()
         self._longest_write_s = 0.0
         self._told_slow_disk = False
+        self._told_unpinned = False
         device = dist.device
         self._copy_stream = (
             torch.cuda.Stream(device)
@@ -243,7 +244,8 @@ class Checkpointer:
                 )
             self._prepared[index] = None
         snap = buffers.fill(model_state, state, stream=self._copy_stream)
-        if buffers.pin_error and buffers.allocated_bytes:
+        if buffers.pin_error and not self._told_unpinned:
+            self._told_unpinned = True
             print(
                 f"warning: the checkpoint buffers could not be page-locked "
                 f"({buffers.pin_error}); copies off the GPU run slower and stall training longer",
