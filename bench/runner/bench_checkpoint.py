@@ -15,12 +15,12 @@ so both moments exist), then saves it the way the worker does, alternating the t
 
 The stall is wall time from the save call until training could go on; the copy off the GPU is
 reported beside it (the time until its event passes, with nothing else queued). The buffers are
-allocated (and pinned) before the first save, as the worker does after its first step, and that
-time is reported on its own. With --train-steps N (default 10 on CUDA), the
-step time is measured alone (N steps after each async save) and while a background write is in
-flight: what the background write still costs training (CPU, memory bandwidth, the GIL). The
-checkpoints go to DIR/checkpoints (retention keeps the newest 2), deleted at the end unless
---keep.
+allocated (and pinned) on a thread before the first save while training steps run, as the worker
+does after its first step: that time, and the slowest step beside it, are reported on their
+own. With --train-steps N (default 10 on CUDA), the step time is measured alone (N steps after
+each async save) and while a background write is in flight: what the background write still
+costs training (CPU, memory bandwidth, the GIL). The checkpoints go to DIR/checkpoints
+(retention keeps the newest 2), deleted at the end unless --keep.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,10 +270,27 @@ def main() -> int:
         s.train_step()
     buffers, writer = SnapshotBuffers(), BackgroundWriter()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    t0 = time.perf_counter()
+    # As the worker does after its first step: the buffers allocated (and pinned) on a thread
+    # while training goes on; the steps that ran beside it say what that costs them.
     model_state, state, _ = s.states()
-    buffers.prepare(leaves_of(model_state, state))
-    prepare_s = time.perf_counter() - t0
+    leaves = leaves_of(model_state, state)
+    prepared = threading.Event()
+    t0 = time.perf_counter()
+    prepare_s = 0.0
+
+    def prepare() -> None:
+        nonlocal prepare_s
+        buffers.prepare(leaves)
+        prepare_s = time.perf_counter() - t0
+        prepared.set()
+
+    threading.Thread(target=prepare, name="bench-prepare").start()
+    beside_prepare: list[float] = []
+    while train_steps and not prepared.is_set():
+        t = time.perf_counter()
+        s.train_step()
+        beside_prepare.append(time.perf_counter() - t)
+    prepared.wait()
     step = 0
     try:
         step += 1
@@ -319,6 +337,13 @@ def main() -> int:
         f"({sync_stall / max(1e-9, async_stall):.0f}x less); disk write "
         f"{n_bytes / mean_write / 1e9:.2f} GB/s"
     )
+    if base_steps and beside_prepare:
+        base, busy = statistics.mean(base_steps), max(beside_prepare)
+        print(
+            f"steps while the buffers were allocated and pinned on a thread: "
+            f"{len(beside_prepare)}, the slowest {busy * 1e3:.1f} ms against {base * 1e3:.1f} ms "
+            "alone"
+        )
     during = [t for r in asyncs for t in r["steps_during_write"]]
     if base_steps and during:
         base, busy = statistics.mean(base_steps), statistics.mean(during)
@@ -336,6 +361,7 @@ def main() -> int:
             "buffer_bytes": buffers.nbytes,
             "pinned": buffers.pinned,
             "prepare_s": prepare_s,
+            "step_s_beside_prepare": beside_prepare,
             "first_async": first,
             "sync": syncs,
             "async": asyncs,
