@@ -44,8 +44,7 @@ from m3run.runner.files import describe_os_error, fsync_path
 if TYPE_CHECKING:
     import torch
 
-# The largest single write: a cancelled write stops within one block, and each block's hash
-# runs beside the next block's write.
+# The largest single write: a cancelled write stops within one block.
 _BLOCK = 64 << 20
 
 
@@ -59,9 +58,9 @@ class WriteCancelled(Exception):
 
 class _HashingFile(io.RawIOBase):
     """An unbuffered file that hashes the bytes as it writes them, so a large file is not read
-    back for its digest. Each block is hashed on `hasher` while this thread writes the next
-    (both release the GIL), so the hash costs the write no time on a disk slower than it.
-    Between blocks it checks `cancel` and raises _Cancelled once it is set."""
+    back for its digest. Each block is hashed on `hasher` while this thread writes it (both
+    release the GIL), so the hash costs the write no time on a disk slower than it. Between
+    blocks it checks `cancel` and raises _Cancelled once it is set."""
 
     def __init__(
         self, f: IO[bytes], hasher: ThreadPoolExecutor, cancel: threading.Event | None = None
@@ -77,21 +76,17 @@ class _HashingFile(io.RawIOBase):
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
-        hashed = None
-        try:
-            for start in range(0, len(view), _BLOCK):
-                if self._cancel is not None and self._cancel.is_set():
-                    raise _Cancelled
-                block = view[start : start + _BLOCK]
+        for start in range(0, len(view), _BLOCK):
+            if self._cancel is not None and self._cancel.is_set():
+                raise _Cancelled
+            block = view[start : start + _BLOCK]
+            hashed = self._hasher.submit(self._hash.update, block)
+            try:
                 done = 0
                 while done < len(block):  # an unbuffered write may write less than asked
                     done += self._f.write(block[done:])
-                if hashed is not None:
-                    hashed.result()  # in order: the previous block's hash is folded in first
-                hashed = self._hasher.submit(self._hash.update, block)
-        finally:
-            if hashed is not None:
-                hashed.result()  # the caller may reuse `b` once this returns
+            finally:
+                hashed.result()  # in order, and the caller may reuse `b` once this returns
         self.nbytes += len(view)
         return len(view)
 
