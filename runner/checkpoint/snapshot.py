@@ -107,6 +107,11 @@ def leaves_of(model_state: Mapping, optim_state: Mapping) -> list[torch.Tensor]:
     return found
 
 
+def nbytes(leaves: list[torch.Tensor]) -> int:
+    """The bytes of the tensors `leaves_of` found: what a checkpoint of them holds."""
+    return sum(t.numel() * t.element_size() for t in leaves)
+
+
 def _fresh_copy(t: torch.Tensor, where: str = "") -> torch.Tensor:
     import torch
 

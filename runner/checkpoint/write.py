@@ -158,11 +158,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _write_model_file(
-    path: Path,
-    cpu_model_state: Mapping[str, torch.Tensor],
-    cancel: threading.Event | None,
+    path: Path, header: bytes, tensors: list, cancel: threading.Event | None
 ) -> dict:
-    header, tensors = _safetensors_layout(cpu_model_state)
+    """model.safetensors: `header` and the `tensors` in its order (:func:`_safetensors_layout`)."""
     with (
         ThreadPoolExecutor(1, thread_name_prefix="m3run-checkpoint-hash") as hasher,
         open(path, "wb", buffering=0) as f,
@@ -251,7 +249,9 @@ def write_checkpoint(
                 f"cpu_model_state[{key!r}] is not a contiguous CPU tensor; pass the "
                 "output of snapshot(), or call save_checkpoint()"
             )
-    _safetensors_layout(cpu_model_state)  # fail on bad meta or dtypes before writing gigabytes
+    # A dtype safetensors cannot name, or meta that is not JSON, fails here, before gigabytes
+    # are written.
+    header, tensors = _safetensors_layout(cpu_model_state)
     _build_meta(step, meta, {})
 
     final = checkpoint_dir(run_dir, step)
@@ -274,7 +274,7 @@ def write_checkpoint(
 
         # The two data files side by side (the module docstring says why).
         with ThreadPoolExecutor(1, thread_name_prefix="m3run-checkpoint-model") as pool:
-            model_job = pool.submit(_write_model_file, tmp / MODEL_FILE, cpu_model_state, cancel)
+            model_job = pool.submit(_write_model_file, tmp / MODEL_FILE, header, tensors, cancel)
             try:
                 optim_digest = _write_optim_file(tmp / OPTIM_FILE, cpu_optim_state, cancel)
             finally:

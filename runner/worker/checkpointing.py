@@ -18,7 +18,13 @@ import torch
 from m3run.runner import __version__
 from m3run.runner.checkpoint import background as ckpt_bg
 from m3run.runner.checkpoint import layout as ckpt
-from m3run.runner.checkpoint.snapshot import Snapshot, SnapshotBuffers, leaves_of, snapshot
+from m3run.runner.checkpoint.snapshot import (
+    Snapshot,
+    SnapshotBuffers,
+    leaves_of,
+    nbytes,
+    snapshot,
+)
 from m3run.runner.checkpoint.write import WriteCancelled, write_checkpoint
 from m3run.runner.config import RunConfig, config_hash
 from m3run.runner.data.loader import BatchLoader
@@ -87,7 +93,6 @@ class Checkpointer:
         self._buffers = [SnapshotBuffers() for _ in range(cfg.checkpoint.snapshot_buffers)]
         self._reading: deque[tuple[int, int]] = deque()  # (step, buffer index)
         self._prepared: list[Future[None] | None] | None = None  # per buffer, from prepare()
-        self._prepare_started = False
         self._stall_s: dict[int, float] = {}
         self._unconfirmed: deque[int] = deque()
         self._longest_write_s = 0.0
@@ -117,12 +122,11 @@ class Checkpointer:
         """Allocate (and on CUDA page-lock) the background saves' host buffers on a thread,
         once the optimizer's state exists (after the first step), so the first checkpoint does
         not wait for gigabytes of host memory."""
-        if not (self.cfg.checkpoint.async_save and self.dist.writer) or self._prepare_started:
+        if not (self.cfg.checkpoint.async_save and self.dist.writer) or self._prepared is not None:
             return
-        self._prepare_started = True
         state, _ = self._checkpoint_state()
         leaves = leaves_of(self.model.state_dict(), state)
-        self._say_host_memory(sum(t.numel() * t.element_size() for t in leaves))
+        self._say_host_memory(nbytes(leaves))
         self._prepared = [Future() for _ in self._buffers]
 
         def run() -> None:

@@ -42,6 +42,7 @@ import torch
 from m3run.kernels.mamba3 import BackendUnavailableError, mamba3_siso, resolve_backend
 from m3run.model import Mamba3LM
 from m3run.runner.checkpoint import layout as ckpt
+from m3run.runner.checkpoint.snapshot import leaves_of, nbytes
 from m3run.runner.config import ConfigError, RunConfig, load_config
 from m3run.runner.data.loader import check_vocab, eval_batches
 from m3run.runner.data.manifest import DataError, load_manifest
@@ -75,7 +76,7 @@ from .build import (
     set_determinism,
 )
 from .preimport import DYNAMO, CompileStack, import_in_background, wait_imported
-from .smoke_round_trip import RoundTripFailed, start_round_trip, tensor_bytes
+from .smoke_round_trip import RoundTripFailed, start_round_trip
 
 
 class CheckFailed(Exception):
@@ -210,7 +211,7 @@ class _Smoke:
             raise CheckSkipped("no batch: the data check failed")
         tuned = self._tune_scan()  # first: the scan's kernels then compile under its plan
         self.model = build_model(self.cfg, self.device)
-        self.model_bytes = tensor_bytes(self.model.state_dict())
+        self.model_bytes = nbytes(leaves_of(self.model.state_dict(), {}))
         self.round_trip = start_round_trip(self.model, self.scratch)
         x, y = (t.to(self.device) for t in self.batch)
         # The scan's kernels compile on a pool of threads while torch.compile traces and compiles
@@ -423,7 +424,7 @@ class _Smoke:
         opt.step()
         # The trainer's optimizer, stepped: its state is what a checkpoint's optim.pt holds
         # beside the loader's and the schedule's few bytes.
-        self.optim_bytes = tensor_bytes(opt.state_dict())
+        self.optim_bytes = nbytes(leaves_of({}, opt.state_dict()))
         opt.zero_grad(set_to_none=True)
         with torch.no_grad(), self.autocast():
             after = model(x, y, eos_id=self.eos_id)

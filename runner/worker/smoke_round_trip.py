@@ -86,14 +86,3 @@ def _round_trip_in(
         f"({time.perf_counter() - t0:.1f} s, beside checks 3–6{written})"
     )
     return message, speed
-
-
-def tensor_bytes(state: object) -> int:
-    """The bytes of the tensors in a state (nested dicts and lists), as a checkpoint holds them."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(tensor_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(tensor_bytes(v) for v in state)
-    return 0

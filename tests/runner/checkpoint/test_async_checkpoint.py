@@ -392,73 +392,12 @@ def test_async_and_sync_saves_write_bitwise_identical_checkpoints(corpus, tmp_pa
         assert hb["checkpoint_write_s"] > 0 and hb["checkpoint_time_s"] > 0
 
 
-@pytest.mark.slow
-def test_sigterm_during_a_background_write_cancels_it_and_exits_75_with_the_stop_step(
-    corpus, tmp_path
-):
+def _stopped_during_held_write(corpus, tmp_path, **extra):
+    """A worker SIGTERMed while step 5's write is in flight: every write holds before meta.json
+    until TMP/release exists (or the write is cancelled), and the worker holds before step 7
+    until the signal. Returns (proc, watch, release)."""
     run_dir, release = tmp_path / "run", tmp_path / "release"
-    ov = _overrides(corpus, **{"train.total_steps": 40})
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov),
-        # Every write holds before meta.json until `release` exists (or it is cancelled); the
-        # worker holds before step 7 until the SIGTERM, so the stop comes while step 5's write
-        # is in flight.
-        env=_env(f"hold_save={release},hold_at_step=7"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    watch = HeartbeatWatch(run_dir)
-    try:
-        hb = watch.run(
-            proc,
-            until=lambda hb: (
-                hb.get("checkpoint_in_flight_step") is not None
-                and hb["phase"] == "training"
-                and hb["step"] > hb["checkpoint_in_flight_step"]
-            ),
-        )
-        assert hb is not None, "the worker exited before a write was seen in flight"
-        in_flight = hb["checkpoint_in_flight_step"]
-        assert not verify_checkpoint(checkpoint_dir(run_dir, in_flight))[0]
-        proc.send_signal(signal.SIGTERM)
-        # Step 5's write is cancelled, not waited for: the stop's own write is the one in
-        # flight next, and only it is released.
-        hb = watch.run(
-            proc, until=lambda hb: hb.get("checkpoint_in_flight_step") not in (None, in_flight)
-        )
-        assert hb is not None, "the stop's save never came in flight"
-        release.touch()
-        watch.run(proc)
-        out = proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 75, out
-    stopped_at = int(
-        re.search(r"stopped at step (\d+); checkpoint step \1 is complete", out).group(1)
-    )
-    # After step 6 (the signal came before the hold) or 7 (it released the hold).
-    assert in_flight == 5 and stopped_at in (6, 7), (in_flight, stopped_at)
-    assert (
-        f"stop: cancelling the write of checkpoint step 5, superseded by step {stopped_at}" in out
-    )
-    assert "checkpoint step 5 was not written: its write was cancelled" in out
-    assert "waiting for checkpoint step 5" not in out
-    assert _complete_steps(run_dir) == [stopped_at]
-    _no_leftovers(run_dir)
-    final = read_json(run_dir / "heartbeat.json")
-    assert final["phase"] == "stopped" and final["last_checkpoint_step"] == stopped_at
-    assert final["checkpoint_in_flight_step"] is None
-    assert not watch.incomplete, watch.incomplete
-    assert {s["last_checkpoint_step"] for s in watch.samples} <= {None, stopped_at}
-
-
-@pytest.mark.slow
-def test_with_save_on_exit_off_a_stop_finishes_the_write_in_flight_and_saves_nothing_new(
-    corpus, tmp_path
-):
-    run_dir, release = tmp_path / "run", tmp_path / "release"
-    ov = _overrides(corpus, **{"train.total_steps": 40, "checkpoint.save_on_exit": "false"})
+    ov = _overrides(corpus, **{"train.total_steps": 40, **extra})
     proc = subprocess.Popen(
         worker_cmd(run_dir, ov),
         env=_env(f"hold_save={release},hold_at_step=7"),
@@ -477,7 +416,58 @@ def test_with_save_on_exit_off_a_stop_finishes_the_write_in_flight_and_saves_not
             ),
         )
         assert hb is not None, "the worker exited before step 5's write was seen in flight"
+        assert not verify_checkpoint(checkpoint_dir(run_dir, 5))[0]
         proc.send_signal(signal.SIGTERM)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, watch, release
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_write_cancels_it_and_exits_75_with_the_stop_step(
+    corpus, tmp_path
+):
+    run_dir = tmp_path / "run"
+    proc, watch, release = _stopped_during_held_write(corpus, tmp_path)
+    try:
+        # Step 5's write is cancelled, not waited for: the stop's own write is the one in
+        # flight next, and only it is released.
+        hb = watch.run(proc, until=lambda hb: hb.get("checkpoint_in_flight_step") not in (None, 5))
+        assert hb is not None, "the stop's save never came in flight"
+        release.touch()
+        watch.run(proc)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, out
+    stopped_at = int(
+        re.search(r"stopped at step (\d+); checkpoint step \1 is complete", out).group(1)
+    )
+    assert stopped_at in (6, 7), stopped_at  # the signal came before the hold, or released it
+    assert (
+        f"stop: cancelling the write of checkpoint step 5, superseded by step {stopped_at}" in out
+    )
+    assert "checkpoint step 5 was not written: its write was cancelled" in out
+    assert "waiting for checkpoint step 5" not in out
+    assert _complete_steps(run_dir) == [stopped_at]
+    _no_leftovers(run_dir)
+    final = read_json(run_dir / "heartbeat.json")
+    assert final["phase"] == "stopped" and final["last_checkpoint_step"] == stopped_at
+    assert final["checkpoint_in_flight_step"] is None
+    assert not watch.incomplete, watch.incomplete
+    assert {s["last_checkpoint_step"] for s in watch.samples} <= {None, stopped_at}
+
+
+@pytest.mark.slow
+def test_with_save_on_exit_off_a_stop_finishes_the_write_in_flight_and_saves_nothing_new(
+    corpus, tmp_path
+):
+    run_dir = tmp_path / "run"
+    proc, watch, release = _stopped_during_held_write(
+        corpus, tmp_path, **{"checkpoint.save_on_exit": "false"}
+    )
+    try:
         # The stop waits for step 5's write (it is not cancelled: nothing supersedes it).
         assert watch.run(proc, until=lambda hb: hb["phase"] == "stopping") is not None
         release.touch()
