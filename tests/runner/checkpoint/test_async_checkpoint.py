@@ -570,23 +570,34 @@ def test_failed_write_exits_nonzero_and_is_never_reported_complete(corpus, tmp_p
 def test_a_save_queued_behind_a_failed_write_is_finished_and_named_as_the_restart_point(
     corpus, tmp_path
 ):
-    run_dir = tmp_path / "run"
+    run_dir, release = tmp_path / "run", tmp_path / "release"
     ov = _overrides(corpus, **{"train.total_steps": 30})
-    # Every write takes 2 s: step 15's save queues behind step 10's write, which fails; step
-    # 20's save finds no free buffer and waits for it, which raises the failure.
-    r = subprocess.run(
+    # Every write holds until `release` exists, and step 10's then fails. With both buffers
+    # held (steps 5 and 10), step 15's save waits; released there, step 5's write completes,
+    # step 15's is queued behind step 10's, which fails.
+    proc = subprocess.Popen(
         worker_cmd(run_dir, ov),
-        env=_env("slow_save=2.0,save_error_at_step=10"),
-        capture_output=True,
+        env=_env(f"hold_save={release},save_error_at_step=10"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "could not write checkpoint for step 10" in r.stderr
+    watch = HeartbeatWatch(run_dir)
+    try:
+        hb = watch.run(proc, until=lambda hb: hb["step"] == 15 and hb["phase"] == "checkpointing")
+        assert hb is not None, "the worker exited before step 15's save"
+        release.touch()
+        watch.run(proc)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out + err
+    assert "could not write checkpoint for step 10" in err
     assert _complete_steps(run_dir) == [5, 15]
-    assert "saved checkpoint step 15" in r.stdout
-    assert "latest complete checkpoint (step 15)" in r.stderr, r.stderr
-    assert max(train_losses(run_dir)) == 20
+    assert "saved checkpoint step 15" in out
+    assert "latest complete checkpoint (step 15)" in err, err
+    assert 15 <= max(train_losses(run_dir)) <= 20
+    assert not watch.incomplete, watch.incomplete
     _no_leftovers(run_dir)
 
 
