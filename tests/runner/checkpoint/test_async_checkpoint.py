@@ -351,6 +351,21 @@ class HeartbeatWatch:
         raise AssertionError(f"worker still running after {timeout}s")
 
 
+def _watched_worker(
+    run_dir: Path, ov: list[str], fault: str, apart: bool = False
+) -> tuple[subprocess.Popen, HeartbeatWatch]:
+    """A worker under M3RUN_FAULT=`fault`, its output in one pipe (`apart`: stderr on its own),
+    and the watch on its heartbeat."""
+    proc = subprocess.Popen(
+        worker_cmd(run_dir, ov),
+        env=_env(fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if apart else subprocess.STDOUT,
+        text=True,
+    )
+    return proc, HeartbeatWatch(run_dir)
+
+
 def _no_leftovers(run_dir: Path) -> None:
     left = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert not left, left
@@ -398,14 +413,7 @@ def _stopped_during_held_write(corpus, tmp_path, **extra):
     until the signal. Returns (proc, watch, release)."""
     run_dir, release = tmp_path / "run", tmp_path / "release"
     ov = _overrides(corpus, **{"train.total_steps": 40, **extra})
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov),
-        env=_env(f"hold_save={release},hold_at_step=7"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    watch = HeartbeatWatch(run_dir)
+    proc, watch = _watched_worker(run_dir, ov, f"hold_save={release},hold_at_step=7")
     try:
         hb = watch.run(
             proc,
@@ -488,14 +496,7 @@ def test_with_save_on_exit_off_a_stop_finishes_the_write_in_flight_and_saves_not
 def test_a_checkpoint_step_during_a_write_copies_into_the_other_buffer(corpus, tmp_path, buffers):
     run_dir, release = tmp_path / "run", tmp_path / "release"
     ov = _overrides(corpus, **{"train.total_steps": 14, "checkpoint.snapshot_buffers": buffers})
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov),
-        env=_env(f"hold_save={release}"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    watch = HeartbeatWatch(run_dir)
+    proc, watch = _watched_worker(run_dir, ov, f"hold_save={release}")
     try:
         if buffers == 2:
             # Step 10's save queues behind step 5's held write: training goes on past it (with
@@ -532,14 +533,7 @@ def test_a_checkpoint_step_during_a_write_copies_into_the_other_buffer(corpus, t
 def test_failed_write_exits_nonzero_and_is_never_reported_complete(corpus, tmp_path, async_save):
     run_dir = tmp_path / "run"
     ov = _overrides(corpus, **{"train.total_steps": 30, "checkpoint.async_save": async_save})
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov),
-        env=_env("save_error_at_step=10"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    watch = HeartbeatWatch(run_dir)
+    proc, watch = _watched_worker(run_dir, ov, "save_error_at_step=10", apart=True)
     try:
         watch.run(proc)
         out, err = proc.communicate(timeout=60)
@@ -575,14 +569,9 @@ def test_a_save_queued_behind_a_failed_write_is_finished_and_named_as_the_restar
     # Every write holds until `release` exists, and step 10's then fails. With both buffers
     # held (steps 5 and 10), step 15's save waits; released there, step 5's write completes,
     # step 15's is queued behind step 10's, which fails.
-    proc = subprocess.Popen(
-        worker_cmd(run_dir, ov),
-        env=_env(f"hold_save={release},save_error_at_step=10"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc, watch = _watched_worker(
+        run_dir, ov, f"hold_save={release},save_error_at_step=10", apart=True
     )
-    watch = HeartbeatWatch(run_dir)
     try:
         hb = watch.run(proc, until=lambda hb: hb["step"] == 15 and hb["phase"] == "checkpointing")
         assert hb is not None, "the worker exited before step 15's save"
